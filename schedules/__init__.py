@@ -1,0 +1,20 @@
+"""Micro-batch schedules as data, their validator and simulator. No torch here."""
+
+from schedules.action import Action, Kind, Schedule
+from schedules.generators import GENERATORS, build, gpipe, one_f_one_b
+from schedules.simulate import Simulation, simulate
+from schedules.validate import ScheduleError, validate
+
+__all__ = [
+    "GENERATORS",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "Simulation",
+    "build",
+    "gpipe",
+    "one_f_one_b",
+    "simulate",
+    "validate",
+]
