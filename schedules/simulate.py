@@ -7,11 +7,13 @@ has crossed its link (``transfer`` seconds after it left).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from schedules.action import Action, Kind, Schedule
-from schedules.validate import check_deadlock_free
+from schedules.validate import validate
 
 
 @dataclass(frozen=True)
@@ -25,18 +27,21 @@ class Simulation:
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-time spent idle: 1 - sum(busy) / (stages * step_time)."""
+        """Share of stage-time not spent on forward or backward work (optimizer steps count
+        as bubble): 1 - sum(busy) / (stages * step_time)."""
         if self.step_time == 0:
             return 0.0
         return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
 
     def stage_bubble(self, stage: int) -> float:
-        """Share of the step that ``stage`` spends idle."""
+        """Share of the step that ``stage`` spends outside forward and backward work."""
         return 1.0 - self.busy[stage] / self.step_time if self.step_time else 0.0
 
 
 def _per_stage(value: float | Sequence[float], n: int, what: str) -> list[float]:
-    values = [float(value)] * n if isinstance(value, int | float) else [float(v) for v in value]
+    if isinstance(value, numbers.Real):
+        return [float(value)] * n
+    values = [float(v) for v in cast(Sequence[float], value)]
     if len(values) != n:
         raise ValueError(f"{what} needs {n} values (one per stage or link), got {len(values)}")
     return values
@@ -57,7 +62,7 @@ def simulate(
     bwd = _per_stage(backward, p, "backward")
     step = _per_stage(optimizer_step, p, "optimizer_step")
     link = _per_stage(transfer, max(p - 1, 0), "transfer")
-    check_deadlock_free(schedule)
+    validate(schedule)
 
     clock = [0.0] * p
     cursor = [0] * p

@@ -95,7 +95,9 @@ def check_deadlock_free(schedule: Schedule) -> None:
                 progress = True
     stuck = {s: head(s) for s in ops if head(s) is not None}
     if stuck:
-        waits = ", ".join(f"stage {s} waits at {a} (position {cursor[s]})" for s, a in stuck.items())
+        waits = ", ".join(
+            f"stage {s} waits at {a} (position {cursor[s]})" for s, a in stuck.items()
+        )
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks: {waits}")
 
 

@@ -1,0 +1,14 @@
+"""pipetrain: pipeline-parallel training of nn.Sequential models."""
+
+from pipetrain.distributed import init_distributed
+from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
+from pipetrain.pipeline import Pipeline
+
+__all__ = [
+    "CommunicationTimeout",
+    "PeerError",
+    "Pipeline",
+    "PipelineError",
+    "StageError",
+    "init_distributed",
+]

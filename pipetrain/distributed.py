@@ -1,0 +1,39 @@
+"""Joining the job that torchrun started, and this process's device."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; return (rank, world).
+
+    NCCL when CUDA is available, else gloo. On GPUs each process takes ``cuda:LOCAL_RANK``.
+    Calling it again is harmless.
+    """
+    if not dist.is_initialized():
+        needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [v for v in needed if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"init_distributed needs torchrun's environment ({', '.join(missing)} unset): "
+                "launch with `torchrun --nproc_per_node=STAGES script.py`, or run all stages in "
+                "this process with Pipeline(..., devices=[...])"
+            )
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_device())
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    """cuda:LOCAL_RANK when the default group runs NCCL (or CUDA is there), else the CPU."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

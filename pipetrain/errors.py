@@ -1,0 +1,19 @@
+"""The errors pipetrain raises: each names what went wrong, where, and the fix."""
+
+from __future__ import annotations
+
+
+class PipelineError(RuntimeError):
+    """Base class for failures of a running pipeline."""
+
+
+class StageError(PipelineError):
+    """A layer failed on this stage; the original exception is chained as ``__cause__``."""
+
+
+class PeerError(PipelineError):
+    """Another stage failed, died or fell silent, so this one cannot go on."""
+
+
+class CommunicationTimeout(PeerError):
+    """A blocking wait on a peer outlasted the pipeline's timeout."""

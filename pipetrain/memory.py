@@ -1,0 +1,60 @@
+"""Counting the activation bytes a stage keeps between a micro-batch's forward and backward.
+
+Saved-tensor hooks see every tensor autograd saves; parameters are left out (they are not
+activations), a storage saved twice counts once, and the stage's received inputs count too, since
+the stage holds them until the backward. Activation checkpointing installs its own hooks inside
+the checkpointed region, so there only the inputs remain, which is the point of checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ActivationLedger:
+    """Live and peak saved bytes and micro-batches of one stage."""
+
+    param_storages: set[int] = field(default_factory=set)
+    live: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes held
+    peak_bytes: int = 0
+    peak_microbatches: int = 0
+
+    @classmethod
+    def for_parameters(cls, params: Iterable[torch.Tensor]) -> ActivationLedger:
+        return cls(param_storages={p.untyped_storage().data_ptr() for p in params})
+
+    @contextmanager
+    def recording(self, microbatch: int, inputs: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Charge what autograd saves inside this block (and ``inputs``) to ``microbatch``."""
+        seen: set[int] = set()
+
+        def charge(t: torch.Tensor) -> None:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen and ptr not in self.param_storages:
+                seen.add(ptr)
+                self.live[microbatch] = self.live.get(microbatch, 0) + storage.nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            charge(t)
+            return t
+
+        self.live.setdefault(microbatch, 0)
+        for t in inputs:
+            charge(t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak_microbatches = max(self.peak_microbatches, len(self.live))
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+
+    def release(self, microbatch: int) -> None:
+        self.live.pop(microbatch, None)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.live.values())

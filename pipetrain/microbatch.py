@@ -1,0 +1,51 @@
+"""Splitting a mini-batch into micro-batches along dimension 0, and joining outputs back."""
+
+from __future__ import annotations
+
+import torch
+
+Batch = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def batch_size(value: Batch, what: str) -> int:
+    tensors = value if isinstance(value, tuple | list) else (value,)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(
+            f"{what} must be a Tensor or a tuple of Tensors, got {type(value).__name__}"
+        )
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"the tensors of {what} disagree on the batch dimension (dim 0): "
+            f"{sorted(map(str, sizes))}"
+        )
+    return next(iter(sizes))  # type: ignore[return-value]
+
+
+def scatter(value: Batch, chunks: int, what: str) -> list[Batch]:
+    """``value`` cut into ``chunks`` equal micro-batches; uneven sizes are an error."""
+    size = batch_size(value, what)
+    if size % chunks:
+        raise ValueError(
+            f"{what} has batch size {size}, which chunks={chunks} does not divide; use a batch "
+            f"size that is a multiple of {chunks} (e.g. {max(chunks, size - size % chunks)}) "
+            "or change chunks"
+        )
+    if isinstance(value, tuple | list):
+        parts = [t.chunk(chunks) for t in value]
+        return [tuple(p[i] for p in parts) for i in range(chunks)]
+    return list(value.chunk(chunks))
+
+
+def gather(outputs: list[Batch]) -> Batch:
+    """Concatenate micro-batch outputs back into one mini-batch output."""
+    first = outputs[0]
+    if isinstance(first, tuple):
+        return tuple(torch.cat([o[k] for o in outputs]) for k in range(len(first)))  # type: ignore[index]
+    return torch.cat(outputs)  # type: ignore[arg-type]
+
+
+def to_device(value: Batch, device: torch.device) -> Batch:
+    if isinstance(value, tuple | list):
+        return tuple(t.to(device) for t in value)
+    return value.to(device)

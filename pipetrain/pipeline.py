@@ -1,0 +1,220 @@
+"""The user's object: split an nn.Sequential into stages and train it with a schedule.
+
+One process per stage under torchrun (``DistributedTransport``), or every stage as a thread of
+this process on its own device (``devices=[...]``, ``LocalTransport``). Both run the same
+schedule through the same executor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain import microbatch
+from pipetrain.distributed import local_device
+from pipetrain.errors import PeerError, PipelineError
+from pipetrain.executor import Executor
+from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
+from pipetrain.transport import DistributedTransport, LocalHub, Transport
+from schedules import Kind, Schedule, build, validate
+
+
+def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
+    """(offset, slice) per stage; slices keep the full model's state_dict keys."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"Pipeline takes an nn.Sequential, got {type(model).__name__}")
+    balance = list(balance)
+    if not balance or any(not isinstance(b, int) or b < 1 for b in balance):
+        raise ValueError(f"balance {balance} must list a positive number of layers per stage")
+    if sum(balance) != len(model):
+        n, p = len(model), len(balance)
+        even = [n // p + (i < n % p) for i in range(p)]
+        raise ValueError(
+            f"balance {balance} sums to {sum(balance)} but the model has {len(model)} layers; "
+            f"make the entries sum to {len(model)}"
+            + (f" (e.g. {even})" if min(even) > 0 else "")
+        )
+    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    slices = [cast(nn.Sequential, model[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return list(zip(bounds, slices, strict=False))
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forward half, for evaluation (no gradients, no optimizer step)."""
+    keep = {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
+    actions = {s: tuple(a for a in ops if a.kind in keep) for s, ops in schedule.actions.items()}
+    return Schedule(schedule.name + "-forward", schedule.stages, schedule.microbatches, actions)
+
+
+class Pipeline:
+    """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
+
+    Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
+    with ``devices`` every stage runs here, stage s on ``devices[s]``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        *,
+        chunks: int = 1,
+        schedule: str = "1f1b",
+        checkpoint: str = "except_last",
+        loss_fn: LossFn | None = None,
+        optimizer: OptimizerFactory | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: float = 300.0,
+        track_memory: bool = False,
+    ):
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        checkpoint_stop(checkpoint, chunks)
+        parts = split(model, balance)
+        self.balance = list(balance)
+        self.chunks, self.timeout = chunks, timeout
+        self.schedule = build(schedule, len(parts), chunks)
+        validate(self.schedule)
+        self._evaluation = forward_only(self.schedule)
+        self._failed: str | None = None
+
+        def make_stage(s: int, device: torch.device) -> Stage:
+            offset, module = parts[s]
+            return Stage(
+                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint, track_memory
+            )
+
+        if devices is not None:
+            if len(devices) != len(parts):
+                raise ValueError(
+                    f"devices lists {len(devices)} devices for {len(parts)} stages; give one "
+                    "device per entry of balance"
+                )
+            hub = LocalHub([torch.device(d) for d in devices])
+            self.stages = [make_stage(s, hub.devices[s]) for s in range(len(parts))]
+            self.transports: list[Transport] = [hub.endpoint(s) for s in range(len(parts))]
+            self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(len(parts))
+            self.stage = None
+        else:
+            self._threads = None
+            self.stage, ranks, p2p = _join(group, len(parts), timeout)
+            device = local_device()
+            self.stages = [make_stage(self.stage, device)]
+            self.transports = [DistributedTransport(p2p, ranks, device)]
+            self._ranks, self._group = ranks, p2p
+
+    # -- the user's view --------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This process's layers (all of them in single-process mode), keyed as in the model."""
+        layers = [(k, m) for stage in self.stages for k, m in stage.module.named_children()]
+        return nn.Sequential(OrderedDict(layers))
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.stages
+
+    def train_step(self, x: microbatch.Batch | None, y: microbatch.Batch | None) -> float:
+        """Run one mini-batch through every micro-batch's forward and backward, then one
+        optimizer step per stage. Returns the mini-batch's mean loss on every rank."""
+        for stage in self.stages:
+            stage.zero_grad()
+        self._run(self.schedule, x, y, training=True)
+        last = self.stages[-1]
+        loss = torch.zeros((), dtype=torch.float64, device=last.device)
+        if last.is_last:
+            loss += torch.stack([v.double() for v in last.losses.values()]).mean()
+        return self._from_last_stage(loss)
+
+    def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
+        """Forward only, in eval mode and without gradients; the output on the last stage
+        (None elsewhere)."""
+        modes = [stage.module.training for stage in self.stages]
+        for stage in self.stages:
+            stage.module.eval()
+        try:
+            outputs = self._run(self._evaluation, x, None, training=False)
+        finally:
+            for stage, mode in zip(self.stages, modes, strict=True):
+                stage.module.train(mode)
+        return microbatch.gather(outputs) if outputs else None
+
+    # -- running the schedule ---------------------------------------------------------------
+
+    def _split(
+        self, value: microbatch.Batch | None, what: str, device: torch.device
+    ) -> list | None:
+        if value is None:
+            return None
+        return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)
+
+    def _run(self, schedule: Schedule, x: object, y: object, training: bool) -> list:
+        if self._failed:
+            raise PipelineError(
+                f"this pipeline stopped after a failure ({self._failed}); build a new one "
+                "(and reload a checkpoint) to go on"
+            )
+        if x is not None and y is not None:
+            nx, ny = microbatch.batch_size(x, "x"), microbatch.batch_size(y, "y")  # type: ignore[arg-type]
+            if nx != ny:
+                raise ValueError(f"x has batch size {nx} but y has {ny}; pass matching batches")
+        first, last = self.stages[0], self.stages[-1]
+        inputs = self._split(x, "x", first.device) if first.is_first else None  # type: ignore[arg-type]
+        targets = self._split(y, "y", last.device) if last.is_last else None  # type: ignore[arg-type]
+        executors = [
+            Executor(stage, transport, schedule.actions[stage.index], self.timeout, training)
+            for stage, transport in zip(self.stages, self.transports, strict=True)
+        ]
+        try:
+            if self._threads is None:
+                return executors[0].run(inputs, targets)
+            futures = [self._threads.submit(e.run, inputs, targets) for e in executors]
+            errors = [f.exception() for f in futures]
+            root = next((e for e in errors if e and not isinstance(e, PeerError)), None)
+            if root or any(errors):
+                raise root or next(e for e in errors if e)
+            return futures[-1].result()
+        except Exception as error:
+            self._failed = f"{type(error).__name__}: {error}"
+            raise
+
+    def _from_last_stage(self, value: torch.Tensor) -> float:
+        """The last stage's scalar, on every rank."""
+        if self._threads is not None:
+            return float(value)
+        work = dist.broadcast(value, self._ranks[-1], group=self._group, async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            assert isinstance(self.transports[0], DistributedTransport)
+            self.transports[0].raise_failure(error)
+        return float(value)
+
+
+def _join(
+    group: dist.ProcessGroup | None, stages: int, timeout: float
+) -> tuple[int, list[int], dist.ProcessGroup]:
+    """This process's stage, the global rank of every stage, and a process group of its own
+    for the pipeline's messages (so aborting it leaves the user's groups alone)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group: call pipetrain.init_distributed() under torchrun, or pass "
+            "devices=[...] to run every stage in this process"
+        )
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if len(ranks) != stages:
+        raise ValueError(
+            f"world size {len(ranks)} does not match the {stages} stages of balance; launch "
+            f"with `torchrun --nproc_per_node={stages}` or give balance {len(ranks)} entries"
+        )
+    p2p = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
+    return ranks.index(dist.get_rank()), ranks, p2p

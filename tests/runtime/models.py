@@ -1,0 +1,57 @@
+"""Small models for the runtime tests, built identically in every process from a seed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Fork(nn.Module):
+    """Emits a tuple: a float tensor, a detached copy (no gradient) and integer labels."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x, x.detach() * 0.5, (x.sum(dim=1) > 0).long()
+
+
+class Join(nn.Module):
+    """Takes Fork's tuple back to one tensor, using every member."""
+
+    def forward(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, half, sign = parts
+        return x + half + sign.unsqueeze(1).to(x.dtype)
+
+
+def mlp(width: int = 12, blocks: int = 3, classes: int = 5, seed: int = 0) -> nn.Sequential:
+    """Linear+LayerNorm+ReLU blocks with a tuple crossing the middle (10+ layers)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()]
+    layers += [Fork(), Join()]
+    for _ in range(blocks - 1):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def batches(steps: int, batch: int = 16, width: int = 12, classes: int = 5, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference(model: nn.Sequential, data, optimizer=sgd) -> tuple[dict, list[float]]:
+    """Plain single-process training: the state_dict after the steps, and each step's loss."""
+    opt = optimizer(model.parameters())
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses

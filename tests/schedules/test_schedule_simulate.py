@@ -1,0 +1,325 @@
+"""The simulator: closed forms derived by hand, lower bounds, and an independent timing model."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import pytest
+from schedule_oracles import (
+    RG,
+    SA,
+    B,
+    F,
+    longest_path_times,
+    random_valid_schedule,
+    replace_stage,
+    step,
+)
+
+from schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    Simulation,
+    build,
+    gpipe,
+    one_f_one_b,
+    simulate,
+)
+
+NAMES = ["gpipe", "1f1b"]
+SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16)]
+COSTS = [(1.0, 2.0), (1.0, 1.0), (0.75, 0.25), (3.0, 1.0)]
+
+
+# -- uniform stages ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("f, b", COSTS)
+def test_uniform_step_time_and_bubble(name, f, b):
+    for p, m in SIZES:
+        sim = simulate(build(name, p, m), f, b)
+        assert sim.step_time == pytest.approx((m + p - 1) * (f + b)), (p, m)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1)), (p, m)
+        assert sim.busy == pytest.approx([m * (f + b)] * p)
+        assert max(sim.finish) == sim.step_time
+        for s in range(p):
+            assert sim.stage_bubble(s) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_uniform_stage_finish_times_staircase(name):
+    # stage s's last backward waits for the gradient from s+1, so with uniform stages and no
+    # transfer each stage finishes b after its successor
+    f, b = 1.0, 2.0
+    for p, m in SIZES:
+        finish = simulate(build(name, p, m), f, b).finish
+        for s in range(p - 1):
+            assert finish[s] == pytest.approx(finish[s + 1] + b), (p, m, s)
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_peak_inflight(p, m):
+    assert simulate(gpipe(p, m), 1.0, 2.0).peak_inflight == (m,) * p
+    expected = tuple(min(m, p - s) for s in range(p))
+    assert simulate(one_f_one_b(p, m), 1.0, 2.0).peak_inflight == expected
+    # memory depends on the order only, not on the costs
+    assert simulate(one_f_one_b(p, m), [1, 5, 2, 3, 1, 1, 4, 2][:p], 0.5, 0.3).peak_inflight == (
+        expected
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_single_stage_runs_back_to_back(name, m):
+    sim = simulate(build(name, 1, m), 1.5, 2.5, optimizer_step=0.5)
+    assert sim.step_time == pytest.approx(m * 4.0 + 0.5)
+    assert sim.busy == pytest.approx((m * 4.0,))
+    # the optimizer step is counted as not-busy by definition of busy (compute only)
+    assert sim.bubble_fraction == pytest.approx(0.5 / (m * 4.0 + 0.5))
+
+
+def test_zero_costs_give_zero_time_and_zero_bubble():
+    sim = simulate(one_f_one_b(4, 6), 0.0, 0.0)
+    assert sim.step_time == 0.0
+    assert sim.bubble_fraction == 0.0
+    assert sim.stage_bubble(2) == 0.0
+
+
+# -- transfer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("f, b, t", [(1.0, 2.0, 0.25), (1.0, 1.0, 3.0), (2.0, 0.5, 1.0)])
+def test_gpipe_two_stages_with_transfer(m, f, b, t):
+    # stage 1 ends its forwards at (m+1)f + t (its first activation arrives at f + t, then it is
+    # compute bound), then runs m backwards; each gradient reaches stage 0 t later, so stage 0
+    # finishes at (m+1)f + t + mb + (b + t)
+    sim = simulate(gpipe(2, m), f, b, t)
+    assert sim.finish[1] == pytest.approx((m + 1) * f + t + m * b)
+    assert sim.finish[0] == pytest.approx((m + 1) * (f + b) + 2 * t)
+    assert sim.step_time == pytest.approx((m + 1) * (f + b) + 2 * t)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_gpipe_per_link_transfers(p, m):
+    # forward of micro-batch i on stage s ends at (s+1+i)f + sum(t[:s]); the last stage's last
+    # forward ends at (m+p-1)f + sum(t); the backward wave then crosses back link by link
+    f, b = 1.0, 1.5
+    t = [0.1 * (k + 1) for k in range(p - 1)]
+    sim = simulate(gpipe(p, m), f, b, t)
+    for s in range(p):
+        expected = (m + p - 1) * f + sum(t) + (m + p - 1 - s) * b + sum(t[s:])
+        assert sim.finish[s] == pytest.approx(expected), s
+    assert sim.step_time == pytest.approx((m + p - 1) * (f + b) + 2 * sum(t))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("f, b, t", [(1.0, 2.0, 0.25), (1.0, 1.0, 3.0), (2.0, 0.5, 1.0)])
+def test_1f1b_two_stages_with_transfer(m, f, b, t):
+    # Stage 0 runs F0 F1 B0 F2 B1 ...; stage 1 runs F0 B0 F1 B1 .... Solving the recurrences by
+    # hand: B(2k) on stage 0 ends at (2k+2)(f+b) + (2k+2)t and B(2k+1) at (2k+3)(f+b) + (2k+2)t:
+    # every second micro-batch waits a full round trip, because stage 0 holds only two.
+    sim = simulate(one_f_one_b(2, m), f, b, t)
+    assert sim.step_time == pytest.approx((m + 1) * (f + b) + 2 * t * math.ceil(m / 2))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("p, m", [(2, 1), (3, 4), (4, 2), (5, 9), (8, 3)])
+def test_transfer_costs_at_least_one_round_trip(name, p, m):
+    f, b = 1.0, 2.0
+    previous = simulate(build(name, p, m), f, b).step_time
+    for t in (0.1, 0.5, 2.0):
+        now = simulate(build(name, p, m), f, b, t).step_time
+        assert now >= (m + p - 1) * (f + b) + 2 * (p - 1) * t - 1e-9
+        assert now >= previous
+        previous = now
+
+
+def test_optimizer_step_delays_each_stage_by_its_own_step():
+    base = simulate(gpipe(3, 4), 1.0, 2.0, 0.5)
+    opt = [0.25, 4.0, 1.0]
+    sim = simulate(gpipe(3, 4), 1.0, 2.0, 0.5, optimizer_step=opt)
+    assert sim.finish == pytest.approx([x + o for x, o in zip(base.finish, opt, strict=True)])
+    assert sim.step_time == pytest.approx(max(sim.finish))
+    assert sim.busy == base.busy
+
+
+# -- heterogeneous stages ---------------------------------------------------------------------
+
+
+def random_costs(p, rng):
+    fwd = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p)]
+    bwd = [rng.choice([0.5, 1.0, 2.0, 4.0]) for _ in range(p)]
+    link = [rng.choice([0.0, 0.125, 0.5, 1.0]) for _ in range(p - 1)]
+    opt = [rng.choice([0.0, 0.25, 1.0]) for _ in range(p)]
+    return fwd, bwd, link, opt
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", range(12))
+def test_heterogeneous_lower_bounds(name, seed):
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 7), rng.randint(1, 12)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    sim = simulate(build(name, p, m), fwd, bwd, link, opt)
+    assert sim.busy == pytest.approx([m * (fwd[s] + bwd[s]) for s in range(p)])
+    eps = 1e-9
+    # one micro-batch must go all the way down and back up
+    assert sim.step_time >= sum(fwd) + sum(bwd) + 2 * sum(link) + opt[0] - eps
+    for s in range(p):
+        # a stage cannot do more than its own work in less time
+        assert sim.step_time >= sim.busy[s] + opt[s] - eps
+        # stage s can start only once an activation has come down to it, and after its last
+        # backward that gradient must still travel up to stage 0, which then steps
+        fill = sum(fwd[:s]) + sum(link[:s])
+        drain = sum(bwd[:s]) + sum(link[:s])
+        assert sim.step_time >= fill + sim.busy[s] + drain + opt[0] - eps
+        assert sim.finish[s] >= fill + sim.busy[s] + opt[s] - eps
+    assert 0.0 <= sim.bubble_fraction < 1.0
+
+
+def timeline_finish(schedule, fwd, bwd, link, opt):
+    times = longest_path_times(schedule, fwd, bwd, link, opt)
+    return [times[(s, len(schedule.actions[s]) - 1)] for s in range(schedule.stages)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_simulator_agrees_with_longest_path_model(seed):
+    rng = random.Random(1000 + seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 8)
+    kind = rng.choice(["gpipe", "1f1b", "random"])
+    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    sim = simulate(schedule, fwd, bwd, link, opt)
+    expected = timeline_finish(schedule, fwd, bwd, link, opt)
+    assert list(sim.finish) == pytest.approx(expected)
+    assert sim.step_time == pytest.approx(max(expected))
+
+
+def simulate_with_action_times(schedule, *costs):
+    """Run the simulator and read its per-action end times (the ``produced`` map it keeps).
+
+    White-box: the public result only carries per-stage totals, so the per-action timings are
+    taken from the simulator's frame when it returns.
+    """
+    captured = {}
+    code = simulate.__code__
+
+    def hook(frame, event, arg):
+        if event == "return" and frame.f_code is code:
+            captured.update(frame.f_locals.get("produced", {}))
+
+    old = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        sim = simulate(schedule, *costs)
+    finally:
+        sys.setprofile(old)
+    assert captured, "simulate() no longer keeps per-action end times in `produced`"
+    return sim, captured
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_simulated_actions_respect_every_dependency_and_start_as_early_as_possible(seed):
+    rng = random.Random(5000 + seed)
+    p, m = rng.randint(2, 6), rng.randint(1, 8)
+    kind = rng.choice(["gpipe", "1f1b", "random"])
+    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    sim, end = simulate_with_action_times(schedule, fwd, bwd, link, opt)
+    cost = {F: fwd, B: bwd}
+
+    def start(a):
+        return end[a] - cost[a.kind][a.stage]
+
+    eps = 1e-9
+    for s in range(p):
+        computes = schedule.compute(s)
+        for prev, nxt in zip(computes, computes[1:], strict=False):
+            assert start(nxt) >= end[prev] - eps  # one stage computes one thing at a time
+        for i in range(m):
+            assert start(Action(B, s, i)) >= end[Action(F, s, i)] - eps
+            if s > 0:  # forward needs the activation from s-1, which needs the link
+                assert start(Action(F, s, i)) >= end[Action(F, s - 1, i)] + link[s - 1] - eps
+            if s < p - 1:  # backward needs the gradient from s+1
+                assert start(Action(B, s, i)) >= end[Action(B, s + 1, i)] + link[s] - eps
+        assert end[step(s)] == pytest.approx(sim.finish[s])
+
+    # and no action waits longer than its dependencies require: identical to the earliest
+    # times of the independent longest-path model
+    times = longest_path_times(schedule, fwd, bwd, link, opt)
+    for s, ops in schedule.actions.items():
+        for k, a in enumerate(ops):
+            if a.kind in (F, B) or a == step(s):
+                assert end[a] == pytest.approx(times[(s, k)]), a
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [
+        ({"forward": [1.0, 1.0]}, "forward needs 3 values"),
+        ({"backward": [1.0] * 4}, "backward needs 3 values"),
+        ({"transfer": [0.1] * 3}, "transfer needs 2 values"),
+        ({"optimizer_step": [0.0]}, "optimizer_step needs 3 values"),
+    ],
+)
+def test_per_stage_lists_must_have_the_right_length(kwargs, what):
+    args = {"forward": 1.0, "backward": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=what):
+        simulate(gpipe(3, 2), **args)
+
+
+def test_list_and_scalar_costs_agree():
+    a = simulate(one_f_one_b(4, 6), 1.0, 2.0, 0.5, 0.25)
+    b = simulate(one_f_one_b(4, 6), [1, 1, 1, 1], (2, 2, 2, 2), [0.5] * 3, [0.25] * 4)
+    assert a == b
+    assert isinstance(a, Simulation)
+
+
+def test_deadlocking_schedule_is_refused():
+    base = one_f_one_b(2, 3)
+    ops = list(base.actions[0])
+    k = ops.index(Action(RG, 0, 0))
+    ops[k], ops[k + 1] = ops[k + 1], ops[k]  # SEND_ACT1 before RECV_GRAD0
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(replace_stage(base, 0, ops), 1.0, 1.0)
+
+
+
+def test_incomplete_schedule_is_refused():
+    # declares 2 micro-batches but only does one: simulate() times it as if it were complete
+    short = Schedule("gpipe", 2, 2, gpipe(2, 1).actions)
+    with pytest.raises(ScheduleError):
+        simulate(short, 1.0, 1.0)
+
+
+
+def test_send_before_its_compute_is_refused_with_a_schedule_error():
+    base = gpipe(2, 1)
+    # SEND_ACT0 before F0: locally wrong, but the link order is consistent (no deadlock)
+    ops0 = [Action(SA, 0, 0), Action(F, 0, 0), Action(RG, 0, 0), Action(B, 0, 0), step(0)]
+    with pytest.raises(ScheduleError):
+        simulate(replace_stage(base, 0, ops0), 1.0, 1.0)
+
+
+
+def test_numpy_scalar_costs():
+    np = pytest.importorskip("numpy")
+    expected = simulate(gpipe(3, 4), 1.0, 2.0, 0.5).step_time
+    sim = simulate(gpipe(3, 4), np.float32(1.0), np.int64(2), np.float64(0.5))
+    assert sim.step_time == pytest.approx(expected)
+
+
+def test_receive_of_micro_batch_zero_is_what_gates_stage_one():
+    # a direct reading of the model: with a huge link, stage 1 cannot start before it
+    sim = simulate(gpipe(2, 1), 1.0, 1.0, 100.0)
+    assert sim.finish[1] == pytest.approx(1.0 + 100.0 + 1.0 + 1.0)
+    assert sim.step_time == pytest.approx(1.0 + 100.0 + 2.0 + 100.0 + 1.0)
