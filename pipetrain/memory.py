@@ -1,9 +1,10 @@
 """Counting the activation bytes a stage keeps between a micro-batch's forward and backward.
 
 Saved-tensor hooks see every tensor autograd saves; parameters are left out (they are not
-activations), a storage saved twice counts once, and the stage's received inputs count too, since
-the stage holds them until the backward. Activation checkpointing installs its own hooks inside
-the checkpointed region, so there only the inputs remain, which is the point of checkpointing.
+activations), a tensor saved twice counts once, a view counts its own bytes, and the stage's
+inputs count too, since the stage holds them until the backward. Inside a checkpointed region
+activation checkpointing's own hooks take over and only the region's inputs reach ours, which is
+the point of checkpointing.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ class ActivationLedger:
     @contextmanager
     def recording(self, microbatch: int, inputs: Iterable[torch.Tensor]) -> Iterator[None]:
         """Charge what autograd saves inside this block (and ``inputs``) to ``microbatch``."""
-        seen: set[int] = set()
+        seen: set[tuple[int, int]] = set()
 
         def charge(t: torch.Tensor) -> None:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in seen and ptr not in self.param_storages:
-                seen.add(ptr)
-                self.live[microbatch] = self.live.get(microbatch, 0) + storage.nbytes()
+            key = (t.data_ptr(), t.nbytes)
+            if key not in seen and t.untyped_storage().data_ptr() not in self.param_storages:
+                seen.add(key)
+                self.live[microbatch] = self.live.get(microbatch, 0) + t.nbytes
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             charge(t)

@@ -7,6 +7,7 @@ schedule through the same executor.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partitioner import Plan
 from pipetrain import microbatch
 from pipetrain.distributed import local_device
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
+from pipetrain.planning import load_plan
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from schedules import Kind, Schedule, build, validate
@@ -56,6 +59,9 @@ def forward_only(schedule: Schedule) -> Schedule:
 class Pipeline:
     """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
 
+    ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
+    micro-batch count and checkpoint mode unless those are passed too; a plan made for another
+    model is refused. Defaults otherwise: 1 chunk, "1f1b", "except_last".
     Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
     with ``devices`` every stage runs here, stage s on ``devices[s]``.
     """
@@ -63,11 +69,12 @@ class Pipeline:
     def __init__(
         self,
         model: nn.Sequential,
-        balance: Sequence[int],
+        balance: Sequence[int] | None = None,
         *,
-        chunks: int = 1,
-        schedule: str = "1f1b",
-        checkpoint: str = "except_last",
+        plan: str | os.PathLike | Plan | None = None,
+        chunks: int | None = None,
+        schedule: str | None = None,
+        checkpoint: str | None = None,
         loss_fn: LossFn | None = None,
         optimizer: OptimizerFactory | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -75,6 +82,21 @@ class Pipeline:
         timeout: float = 300.0,
         track_memory: bool = False,
     ):
+        if plan is not None:
+            plan = load_plan(plan, model)
+            if balance is not None and list(balance) != plan.balance:
+                raise ValueError(
+                    f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one"
+                )
+            balance = plan.balance
+            chunks = plan.microbatches if chunks is None else chunks
+            schedule = schedule or plan.schedule
+            checkpoint = checkpoint or plan.checkpoint
+        if balance is None:
+            raise ValueError("say how to split the model: pass balance=[...] or plan=...")
+        chunks = 1 if chunks is None else chunks
+        schedule = schedule or "1f1b"
+        checkpoint = checkpoint or "except_last"
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)

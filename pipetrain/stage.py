@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -96,43 +97,44 @@ class Stage:
             if not training:
                 with torch.no_grad():
                     return self._run_layers(value)
-            output = self._forward_for_backward(microbatch, inputs, value, chunks)
+            # On the last stage the loss is part of the (possibly recomputed) work, so a
+            # checkpointed micro-batch keeps nothing but its inputs.
+            work = partial(self._run_and_score, target=target)
+            with self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext():
+                if microbatch < checkpoint_stop(self.checkpoint, chunks):
+                    output = recompute(work, value, use_reentrant=False)
+                else:
+                    output = work(value)
         except Exception as error:
-            layer = self.module[self._layer]
+            if self._layer < len(self.module):
+                layer = self.module[self._layer]
+                where = f"layer {self.offset + self._layer} ({type(layer).__name__})"
+            else:
+                where = "loss_fn"
             raise StageError(
-                f"stage {self.index}, layer {self.offset + self._layer} "
-                f"({type(layer).__name__}), forward of micro-batch {microbatch} failed: "
+                f"stage {self.index}, {where}, forward of micro-batch {microbatch} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
         if self.is_last:
-            loss = self._loss(output, target, microbatch)
-            self.losses[microbatch] = loss.detach()
-            saved: tuple[torch.Tensor, ...] = (loss / chunks,)
+            self.losses[microbatch] = output.detach()  # type: ignore[union-attr]
+            saved: tuple[torch.Tensor, ...] = (output / chunks,)  # type: ignore[operator]
         else:
             saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
         self._stash[microbatch] = _Stashed(inputs, saved)
         return output
 
-    def _forward_for_backward(
-        self, microbatch: int, inputs: tuple[torch.Tensor, ...], value: object, chunks: int
-    ) -> object:
-        with self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext():
-            if microbatch < checkpoint_stop(self.checkpoint, chunks):
-                return recompute(self._run_layers, value, use_reentrant=False)
-            return self._run_layers(value)
+    def _run_and_score(self, value: object, target: object) -> object:
+        """The slice's output, or on the last stage its loss against ``target``."""
+        output = self._run_layers(value)
+        return self._loss(output, target) if self.is_last else output
 
-    def _loss(self, output: object, target: object, microbatch: int) -> torch.Tensor:
+    def _loss(self, output: object, target: object) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("training needs loss_fn: pass Pipeline(..., loss_fn=...)")
-        try:
-            loss = self.loss_fn(output, target)  # type: ignore[arg-type]
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}: loss_fn failed on micro-batch {microbatch}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
+        self._layer = len(self.module)  # past the last layer: the loss is to blame
+        loss = self.loss_fn(output, target)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise StageError(
+            raise ValueError(
                 "loss_fn must return a scalar tensor (use reduction='mean'), "
                 f"got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}"
             )

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -48,8 +50,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 120.0) -> list[tuple]:
-    """Per rank, ("ok", value) or ("error", (type name, message, traceback))."""
-    ctx = mp.get_context("spawn")
+    """Per rank, ("ok", value), ("error", (type name, message, traceback)) or ("died", exit
+    code) for a process that ended without reporting."""
+    ctx = mp.get_context("forkserver")  # forks from a server that imported torch once
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pipetrain", "tests.runtime.models"])
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -59,22 +63,25 @@ def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 120.0) -> 
     for p in procs:
         p.start()
     out: dict[int, tuple] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=deadline)
-            if status == "ok":
-                value = torch.load(io.BytesIO(value), weights_only=False)
-            out[rank] = (status, value)
-    except Exception as error:  # a rank died without reporting, or the deadline passed
-        lost = f"{type(error).__name__} {error}; exit codes {[p.exitcode for p in procs]}"
-    else:
-        lost = ""
+    stop = time.monotonic() + deadline
+    while len(out) < world and time.monotonic() < stop:
+        try:
+            rank, status, value = results.get(timeout=0.5)
+        except queue.Empty:
+            # A rank that exited without reporting died (on purpose in some tests).
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None and results.empty():
+                    out[r] = ("died", p.exitcode)
+            continue
+        if status == "ok":
+            value = torch.load(io.BytesIO(value), weights_only=False)
+        out[rank] = (status, value)
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
     missing = [r for r in range(world) if r not in out]
-    assert not missing, f"ranks {missing} neither returned nor raised within {deadline} s: {lost}"
+    assert not missing, f"ranks {missing} neither returned nor raised within {deadline} s (hang)"
     return [out[r] for r in range(world)]
 
 

@@ -10,7 +10,7 @@ class Fork(nn.Module):
     """Emits a tuple: a float tensor, a detached copy (no gradient) and integer labels."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x, x.detach() * 0.5, (x.sum(dim=1) > 0).long()
+        return x, x.detach() * 0.5, (x.sum(dim=-1) > 0).long()
 
 
 class Join(nn.Module):
@@ -18,7 +18,7 @@ class Join(nn.Module):
 
     def forward(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, half, sign = parts
-        return x + half + sign.unsqueeze(1).to(x.dtype)
+        return x + half + sign.unsqueeze(-1).to(x.dtype)
 
 
 def mlp(width: int = 12, blocks: int = 3, classes: int = 5, seed: int = 0) -> nn.Sequential:
@@ -32,7 +32,29 @@ def mlp(width: int = 12, blocks: int = 3, classes: int = 5, seed: int = 0) -> nn
     return nn.Sequential(*layers)
 
 
-def batches(steps: int, batch: int = 16, width: int = 12, classes: int = 5, seed: int = 1):
+class MeanOverTime(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def sequence_model(width: int = 12, classes: int = 5, seed: int = 0) -> nn.Sequential:
+    """For inputs (batch, time, width) whose time length changes from mini-batch to mini-batch."""
+    body = mlp(width, blocks=2, classes=classes, seed=seed)
+    return nn.Sequential(*body[:-1], MeanOverTime(), body[-1])
+
+
+def sequence_batches(lengths, batch: int = 8, width: int = 12, classes: int = 5, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch, t, width, generator=g),
+            torch.randint(0, classes, (batch,), generator=g),
+        )
+        for t in lengths
+    ]
+
+
+def batches(steps: int, batch: int = 24, width: int = 12, classes: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [
         (torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g))

@@ -1,0 +1,318 @@
+"""The cost model: what one stage costs per micro-batch, in time and in memory.
+
+Everything here is per micro-batch of ``microbatch_size`` samples. A profile measured a batch of
+``batch_size``; times and activation bytes are scaled by ``microbatch_size / batch_size`` (assumed
+linear), activation bytes rounded up to whole bytes. Parameters do not scale.
+
+Time of stage t holding layers [i, j) on ``r`` replicas of speed ``v``::
+
+    compute(t) = sum(fwd + bwd)[i:j] / (v * r)  +  allreduce(t) / m
+    allreduce(t) = 2 (r - 1) / r * param_bytes[i:j] / bandwidth      (ring, once per step)
+    link(t)    = 2 * cut_bytes[j] / bandwidth(t -> t+1)               (activation + gradient)
+    cost(t)    = max(compute(t), link(t))
+
+Communication overlaps computation (the runtime posts sends asynchronously and the simulator
+charges a message only as latency on its link), so a link is a pipeline resource of its own: per
+micro-batch it carries one activation forward and one gradient back. The all-reduce of a
+replicated stage runs once per mini-batch of ``m`` micro-batches; it is amortised over them.
+
+Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight``)::
+
+    never:  weights[i:j] + k * (cut_bytes[i] + activation_bytes[i:j])
+    always: weights[i:j] + k * cut_bytes[i] + activation_bytes[i:j]
+
+``weights`` is parameters + gradients (same size) + optimizer state; ``cut_bytes[i]`` is what the
+stage receives (its input, kept for backward); with checkpointing only that input is kept per
+micro-batch and one micro-batch's activations are rebuilt at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.profile import Profile
+from schedules import build, simulate
+
+CHECKPOINT = ("never", "always")
+Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
+
+
+def inflight(schedule: str, stages: int, microbatches: int) -> list[int]:
+    """Micro-batches whose activations stage s holds at once: GPipe m, 1F1B min(m, S - s);
+    any other schedule is asked of the simulator."""
+    if schedule == "gpipe":
+        return [microbatches] * stages
+    if schedule == "1f1b":
+        return [min(microbatches, stages - s) for s in range(stages)]
+    return list(simulate(build(schedule, stages, microbatches), 1.0, 1.0).peak_inflight)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The planner's input: per-layer costs of one micro-batch and per-stage resources.
+
+    Positions 0..L name the cuts: position p lies before layer p. ``cut_bytes[p]`` is what
+    crosses it per micro-batch (p = 0: the input; p = L: nothing) and ``allowed[p]`` says whether a
+    stage may start or end there.
+    """
+
+    forward: np.ndarray  # (L,) seconds
+    backward: np.ndarray  # (L,) seconds
+    weight_bytes: np.ndarray  # (L,) int64: parameters + gradients + optimizer state
+    activation_bytes: np.ndarray  # (L,) int64
+    param_bytes: np.ndarray  # (L,) int64, what a replicated stage all-reduces
+    cut_bytes: np.ndarray  # (L + 1,) int64
+    allowed: np.ndarray  # (L + 1,) bool
+    inflight: tuple[int, ...]  # (S,)
+    checkpoint: bool = False
+    speed: tuple[float, ...] = ()  # (S,) compute speed relative to the profiled device
+    memory: tuple[int | None, ...] = ()  # (S,) bytes per device, None = no cap
+    bandwidth: tuple[float, ...] = ()  # (S - 1,) bytes/s of the link to the next stage
+    devices: int = 0  # >= S; more than S replicates stages
+    microbatches: int = 1
+    allreduce_bandwidth: float = math.inf
+
+    @property
+    def layers(self) -> int:
+        """Number of layers L."""
+        return len(self.forward)
+
+    @property
+    def stages(self) -> int:
+        """Number of stages S."""
+        return len(self.inflight)
+
+    @property
+    def cost(self) -> np.ndarray:
+        """Forward + backward seconds of each layer."""
+        return self.forward + self.backward
+
+
+def make_problem(
+    forward: Values,
+    backward: Values | None = None,
+    *,
+    stages: int,
+    weight_bytes: Values | None = None,
+    activation_bytes: Values | None = None,
+    param_bytes: Values | None = None,
+    cut_bytes: Values | None = None,
+    allowed: Sequence[bool] | np.ndarray | None = None,
+    inflight: Sequence[int] | None = None,
+    checkpoint: bool = False,
+    speed: Sequence[float] | None = None,
+    memory: int | None | Sequence[int | None] = None,
+    bandwidth: float | Sequence[float] = math.inf,
+    devices: int | None = None,
+    microbatches: int = 1,
+    allreduce_bandwidth: float | None = None,
+) -> Problem:
+    """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
+    resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries."""
+    n = len(forward)
+    if n < 1:
+        raise ValueError("nothing to split: no layers")
+    if not 1 <= stages:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+
+    def layer_array(values: Values | None, kind: type, what: str) -> np.ndarray:
+        arr: np.ndarray = (
+            np.zeros(n, dtype=kind) if values is None else np.asarray(values, dtype=kind)
+        )
+        if arr.shape != (n,):
+            raise ValueError(f"{what} needs {n} values, one per layer, got {arr.shape}")
+        if (arr < 0).any():
+            raise ValueError(f"{what} must be >= 0")
+        return arr
+
+    fwd = layer_array(forward, float, "forward")
+    bwd = layer_array(backward, float, "backward")
+    cuts = np.zeros(n + 1, dtype=np.int64) if cut_bytes is None else np.asarray(cut_bytes)
+    ok = np.ones(n + 1, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool).copy()
+    if cuts.shape != (n + 1,) or ok.shape != (n + 1,):
+        raise ValueError(f"cut_bytes and allowed need {n + 1} values (positions 0..{n})")
+    if (cuts < 0).any():
+        raise ValueError("cut_bytes must be >= 0")
+    if microbatches < 1:
+        raise ValueError(f"a step needs at least one micro-batch, got {microbatches}")
+    ok[0] = ok[n] = True
+    flight = [1] * stages if inflight is None else [int(k) for k in inflight]
+    mem = list(memory) if isinstance(memory, Sequence) else [memory] * stages
+    bw = (
+        [float(bandwidth)] * (stages - 1) if isinstance(bandwidth, int | float) else list(bandwidth)
+    )
+    spd = [1.0] * stages if speed is None else [float(v) for v in speed]
+    if not len(flight) == len(mem) == len(spd) == stages or len(bw) != stages - 1:
+        raise ValueError(f"per-stage inputs need {stages} values ({stages - 1} for links)")
+    if any(v <= 0 for v in spd) or any(b <= 0 for b in bw):
+        raise ValueError("speeds and bandwidths must be > 0")
+    count = stages if devices is None else devices
+    if count < stages:
+        raise ValueError(f"{stages} stages need at least {stages} devices, got {count}")
+    if count > stages and not (len(set(spd)) == 1 and len(set(mem)) == 1 and len(set(bw)) <= 1):
+        raise ValueError("replicating stages needs identical devices and links")
+    return Problem(
+        forward=fwd,
+        backward=bwd,
+        weight_bytes=layer_array(weight_bytes, np.int64, "weight_bytes"),
+        activation_bytes=layer_array(activation_bytes, np.int64, "activation_bytes"),
+        param_bytes=layer_array(param_bytes, np.int64, "param_bytes"),
+        cut_bytes=cuts.astype(np.int64),
+        allowed=ok,
+        inflight=tuple(flight),
+        checkpoint=checkpoint,
+        speed=tuple(spd),
+        memory=tuple(None if m is None else int(m) for m in mem),
+        bandwidth=tuple(bw),
+        devices=count,
+        microbatches=microbatches,
+        allreduce_bandwidth=float(
+            allreduce_bandwidth if allreduce_bandwidth is not None else (bw[0] if bw else math.inf)
+        ),
+    )
+
+
+def _scaled(values: Sequence[int], num: int, den: int) -> np.ndarray:
+    """``values * num / den`` rounded up, exactly, as int64."""
+    arr = np.asarray(values, dtype=np.int64)
+    return -((-arr * num) // den)
+
+
+def problem_from_profile(
+    profile: Profile,
+    *,
+    stages: int,
+    microbatches: int,
+    microbatch_size: int | None = None,
+    schedule: str = "1f1b",
+    checkpoint: str = "never",
+    speed: Sequence[float] | None = None,
+    memory: int | None | Sequence[int | None] = None,
+    bandwidth: float | Sequence[float] = math.inf,
+    devices: int | None = None,
+) -> Problem:
+    """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
+    (default: the profile's batch size) under ``schedule``."""
+    if checkpoint not in CHECKPOINT:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT}, got {checkpoint!r}")
+    size = profile.batch_size if microbatch_size is None else microbatch_size
+    if size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {size}")
+    layers = profile.layers
+    scale = size / profile.batch_size
+    act = _scaled([layer.activation_bytes for layer in layers], size, profile.batch_size)
+    cut = np.zeros(len(layers) + 1, dtype=np.int64)
+    cut[0] = _scaled([profile.input_bytes], size, profile.batch_size)[0]
+    if profile.boundaries is None:  # a chain: layer p - 1's output crosses cut p
+        cut[1:-1] = act[:-1]
+    else:
+        for p, boundary in enumerate(profile.boundaries, 1):
+            cut[p] = act[list(boundary.sources)].sum()
+    allowed = [True] + [profile.cut_allowed(p) for p in range(len(layers) - 1)] + [True]
+    return make_problem(
+        [layer.forward * scale for layer in layers],
+        [layer.backward * scale for layer in layers],
+        stages=stages,
+        weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
+        activation_bytes=act,
+        param_bytes=[layer.param_bytes for layer in layers],
+        cut_bytes=cut,
+        allowed=allowed,
+        inflight=inflight(schedule, stages, microbatches),
+        checkpoint=checkpoint == "always",
+        speed=speed,
+        memory=memory,
+        bandwidth=bandwidth,
+        devices=devices,
+        microbatches=microbatches,
+        allreduce_bandwidth=float(bandwidth) if isinstance(bandwidth, int | float) else None,
+    )
+
+
+# --- the canonical formulas; the solvers and the plan all evaluate stages through these ---
+
+
+def compute_prefix(problem: Problem, stage: int, replicas: int = 1) -> np.ndarray:
+    """Q with compute(stage on layers [i, j)) = Q[j] - Q[i] (seconds, all-reduce amortised)."""
+    per_layer = problem.cost / (problem.speed[stage] * replicas)
+    if replicas > 1:
+        share = (
+            2.0 * (replicas - 1) / replicas / (problem.allreduce_bandwidth * problem.microbatches)
+        )
+        per_layer = per_layer + problem.param_bytes * share
+    return np.concatenate(([0.0], np.cumsum(per_layer)))
+
+
+def link_time(problem: Problem, stage: int) -> np.ndarray:
+    """Seconds per micro-batch the link after ``stage`` is busy if the stage ends at each
+    position: one activation forward and one gradient back."""
+    if stage >= problem.stages - 1:
+        return np.zeros(problem.layers + 1)
+    return 2.0 * problem.cut_bytes / problem.bandwidth[stage]
+
+
+def memory_terms(problem: Problem, stage: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H, g) with memory(stage on layers [i, j)) = H[j] + g[i], bytes, int64."""
+    k = problem.inflight[stage]
+    kept = problem.activation_bytes * (1 if problem.checkpoint else k)
+    head = np.concatenate(([0], np.cumsum(problem.weight_bytes + kept))).astype(np.int64)
+    return head, k * problem.cut_bytes - head
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage of a split, evaluated by the cost model."""
+
+    start: int
+    stop: int
+    replicas: int
+    forward: float  # seconds per micro-batch on one of its devices, divided by replicas
+    backward: float
+    compute: float  # forward + backward + amortised all-reduce
+    allreduce: float  # seconds per mini-batch
+    link: float  # seconds the outgoing link is busy per micro-batch (0 for the last stage)
+    message: float  # seconds one activation message takes on the outgoing link
+    send_bytes: int  # bytes of that message (0 for the last stage)
+    memory: int  # bytes on one device
+
+    @property
+    def cost(self) -> float:
+        """The stage's share of the bottleneck: max(compute, link)."""
+        return max(self.compute, self.link)
+
+
+def evaluate(
+    problem: Problem, bounds: Sequence[int], replicas: Sequence[int] | None = None
+) -> list[StageCost]:
+    """Cost of each stage of the split whose stage t holds layers [bounds[t], bounds[t + 1])."""
+    reps = [1] * problem.stages if replicas is None else list(replicas)
+    if len(bounds) != problem.stages + 1 or len(reps) != problem.stages:
+        raise ValueError(f"a split into {problem.stages} stages needs {problem.stages + 1} bounds")
+    out = []
+    for t in range(problem.stages):
+        i, j, r = bounds[t], bounds[t + 1], reps[t]
+        divisor = problem.speed[t] * r
+        head, tail = memory_terms(problem, t)
+        grads = float(problem.param_bytes[i:j].sum())
+        prefix = compute_prefix(problem, t, r)
+        last = t == problem.stages - 1
+        out.append(
+            StageCost(
+                start=i,
+                stop=j,
+                replicas=r,
+                forward=float(problem.forward[i:j].sum()) / divisor,
+                backward=float(problem.backward[i:j].sum()) / divisor,
+                compute=float(prefix[j] - prefix[i]),
+                allreduce=2.0 * (r - 1) / r * grads / problem.allreduce_bandwidth,
+                link=0.0 if last else float(link_time(problem, t)[j]),
+                message=0.0 if last else float(problem.cut_bytes[j]) / problem.bandwidth[t],
+                send_bytes=0 if last else int(problem.cut_bytes[j]),
+                memory=int(head[j] + tail[i]),
+            )
+        )
+    return out

@@ -1,0 +1,386 @@
+"""Exact split of L layers into S contiguous stages that minimises the bottleneck stage.
+
+The recurrence, in the style of PipeDream's optimizer: with ``A[t][j][d]`` the best bottleneck
+of layers [0, j) cut into stages 0..t that use d devices,
+
+    A[-1][0][0] = 0
+    A[t][j][d]  = min over i < j, r >= 1, memory_t(i, j) <= cap_t, cut j allowed of
+                  max(A[t-1][i][d - r], cost_t(i, j, r))
+    answer      = min over d <= D of A[S-1][L][d]
+
+with ``cost_t`` and ``memory_t`` from :mod:`partitioner.costs` (stage compute on r replicas, its
+outgoing link, its memory with the schedule's micro-batches in flight). Without replication
+(D = S) r is always 1 and d = t + 1.
+
+It is evaluated as its decision form: "is there a split whose stages all cost <= T?" is one
+vectorised sweep over the stages, where stage t can end at j iff some reachable start i lies in
+[lo_T(j), j) (compute is a prefix-sum difference, so the starts cheap enough form a window) and
+the window holds an i with memory_t(i, j) = H_t[j] + g_t[i] <= cap (a range minimum of g over the
+reachable starts, by a sparse table). A[S-1][L] is the smallest T whose answer is yes, found by
+bisection to 2^-20 relative, then exactly among the stage and link costs left in that
+interval. Ties break toward the smaller peak memory: a second search finds the least memory cap
+(integer bytes) that still reaches that bottleneck. Cost per probe: O(S L log L) numpy work,
+O(S D^2 L log L) with replication; about 60 probes in all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.costs import (
+    Problem,
+    StageCost,
+    compute_prefix,
+    evaluate,
+    link_time,
+    make_problem,
+    memory_terms,
+)
+from partitioner.errors import InfeasibleError
+from partitioner.units import format_bytes
+
+_BIG = np.int64(2**62)  # "no reachable start" in the range-minimum table
+_CAP_CEILING = 2**61  # caps above this (2 EiB) change nothing and keep H + _BIG > cap
+_NARROW = 2.0**-20  # bisect the bottleneck to this relative width, then list what is inside
+_MAX_CANDIDATES = 1 << 22
+
+States = list[dict[int, np.ndarray]]  # per stage boundary: devices used -> reachable positions
+
+
+@dataclass(frozen=True)
+class Split:
+    """A split of the layers into stages and what it costs."""
+
+    bounds: tuple[int, ...]  # stage t holds layers [bounds[t], bounds[t + 1])
+    replicas: tuple[int, ...]
+    bottleneck: float  # seconds per micro-batch of the slowest stage or link
+    peak_memory: int  # bytes on the fullest device
+    stages: tuple[StageCost, ...]
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage."""
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+
+
+def split_of(problem: Problem, bounds: Sequence[int], replicas: Sequence[int]) -> Split:
+    """Evaluate a given split (used by every solver, so they report alike)."""
+    stages = evaluate(problem, bounds, replicas)
+    return Split(
+        bounds=tuple(bounds),
+        replicas=tuple(replicas),
+        bottleneck=max(s.cost for s in stages),
+        peak_memory=max(s.memory for s in stages),
+        stages=tuple(stages),
+    )
+
+
+class _Window:
+    """For one prefix Q and limit T: lo[j] = first i with Q[j] - Q[i] <= T, and the two
+    sparse-table cells whose minimum covers [lo[j], j)."""
+
+    def __init__(self, prefix: np.ndarray, limit: float, floor_log2: np.ndarray) -> None:
+        pos = np.arange(len(prefix))
+        lo = np.minimum(np.searchsorted(prefix, prefix - limit, side="left"), pos)
+        while True:  # searchsorted worked on Q[j] - T; make it exact for Q[j] - Q[i] <= T
+            down = (lo > 0) & (prefix - prefix[np.maximum(lo - 1, 0)] <= limit)
+            if not down.any():
+                break
+            lo = lo - down
+        while True:
+            up = (lo < pos) & (prefix - prefix[lo] > limit)
+            if not up.any():
+                break
+            lo = lo + up
+        width = pos - lo
+        self.lo = lo
+        self.nonempty = width > 0
+        level = floor_log2[width]
+        right = np.where(self.nonempty, pos - (1 << level), 0)
+        n = len(prefix)
+        self.left_cell = level * n + lo  # flat indices into a (levels, n) sparse table
+        self.right_cell = level * n + right
+        self.top = int(level.max())
+
+
+def _merge(reached: dict[int, np.ndarray], used: int, ok: np.ndarray) -> None:
+    """Record positions reachable with ``used`` devices."""
+    if ok.any():
+        reached[used] = reached[used] | ok if used in reached else ok
+
+
+class _Sweep:
+    """The decision procedure: which positions each stage can reach under limits (T, M)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        n, s = problem.layers, problem.stages
+        self.floor_log2 = np.zeros(n + 2, dtype=np.int64)
+        self.floor_log2[1:] = np.floor(np.log2(np.arange(1, n + 2))).astype(np.int64)
+        self.memory = [memory_terms(problem, t) for t in range(s)]
+        # the most memory any single stage t could need: a cap at or above it never binds
+        self.worst = [
+            int((head[1:] + np.maximum.accumulate(tail[:-1])).max()) for head, tail in self.memory
+        ]
+        self.links = [link_time(problem, t) for t in range(s)]
+        self.prefix: dict[tuple[float, int], np.ndarray] = {}
+        pos = np.arange(n + 1)
+        self.ends = []
+        for t in range(s):
+            end = problem.allowed & (pos >= t + 1) & (pos <= n - (s - 1 - t))
+            if t == s - 1:
+                end = pos == n
+            self.ends.append(end)
+        self.start = np.zeros(n + 1, dtype=bool)
+        self.start[0] = True
+        self.buffer = np.empty((int(self.floor_log2[n + 1]) + 1, n + 1), dtype=np.int64)
+
+    def _prefix(self, stage: int, replicas: int) -> np.ndarray:
+        key = (self.p.speed[stage], replicas)
+        if key not in self.prefix:
+            self.prefix[key] = compute_prefix(self.p, stage, replicas)
+        return self.prefix[key]
+
+    def _cap(self, stage: int, limit: int | None, device_caps: bool) -> int | None:
+        caps = [c for c in (limit, self.p.memory[stage] if device_caps else None) if c is not None]
+        return min(*caps, _CAP_CEILING) if caps else None
+
+    def probe(self, time: float, memory: int | None, device_caps: bool = True) -> States | None:
+        """Reachable positions per stage boundary if some split has every stage cost <= time
+        and memory <= min(memory, the device's cap), else None."""
+        p = self.p
+        windows: dict[tuple[float, int], _Window] = {}
+        states: States = [{0: self.start}]
+        for t in range(p.stages):
+            end = self.ends[t]
+            if t < p.stages - 1:
+                end = end & (self.links[t] <= time)
+            cap = self._cap(t, memory, device_caps)
+            if cap is not None and cap >= self.worst[t]:
+                cap = None
+            head, tail = self.memory[t]
+            reached: dict[int, np.ndarray] = {}
+            for used, here in states[-1].items():
+                most = p.devices - used - (p.stages - 1 - t)
+                wins = []
+                for r in range(1, most + 1):
+                    key = (p.speed[t], r)
+                    if key not in windows:
+                        windows[key] = _Window(self._prefix(t, r), time, self.floor_log2)
+                    wins.append((r, windows[key]))
+                if cap is None:
+                    count = np.concatenate(([0], np.cumsum(here)))
+                    for r, w in wins:
+                        _merge(reached, used + r, end & (count[:-1] > count[w.lo]))
+                    continue
+                table = self._table(np.where(here, tail, _BIG), max(w.top for _, w in wins))
+                for r, w in wins:
+                    least = np.minimum(table.take(w.left_cell), table.take(w.right_cell))
+                    ok = head + least <= cap  # _BIG (no reachable start) never fits
+                    ok &= w.nonempty
+                    ok &= end
+                    _merge(reached, used + r, ok)
+            if not reached:
+                return None
+            states.append(reached)
+        return states
+
+    def _table(self, values: np.ndarray, top: int) -> np.ndarray:
+        """Sparse table: row k, column i holds min(values[i : i + 2**k]) for i <= n - 2**k
+        (the rest of a row is stale and never read)."""
+        n = len(values)
+        table = self.buffer
+        table[0] = values
+        for k in range(1, top + 1):
+            half, span = 1 << (k - 1), n - (1 << k) + 1
+            np.minimum(table[k - 1, :span], table[k - 1, half : half + span], out=table[k, :span])
+        return table
+
+    def costs_between(self, lo: float, hi: float) -> np.ndarray | None:
+        """Every stage or link cost in (lo, hi], sorted and distinct; None if there are more
+        than _MAX_CANDIDATES."""
+        p = self.p
+        found = [link[(link > lo) & (link <= hi)] for link in self.links[:-1]]
+        pos = np.arange(p.layers + 1)
+        listed = 0
+        stage_of_speed = {p.speed[t]: t for t in range(p.stages)}
+        for t in stage_of_speed.values():
+            for r in range(1, p.devices - p.stages + 2):
+                q = self._prefix(t, r)
+                # starts i with lo < q[j] - q[i] <= hi, widened by one for rounding
+                first = np.maximum(np.searchsorted(q, q - hi, side="left") - 1, 0)
+                stop = np.minimum(np.searchsorted(q, q - lo, side="left") + 1, pos)
+                counts = np.maximum(stop - first, 0)
+                listed += int(counts.sum())
+                if listed > _MAX_CANDIDATES:
+                    return None
+                ends = np.repeat(pos, counts)
+                offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
+                values = q[ends] - q[np.repeat(first, counts) + offsets]
+                found.append(values[(values > lo) & (values <= hi)])
+        return np.unique(np.concatenate(found))
+
+    def trace(
+        self, states: States, time: float, memory: int | None, device_caps: bool = True
+    ) -> Split:
+        """A split behind a successful probe, read back from the last stage to the first."""
+        p = self.p
+        j = p.layers
+        used = min(d for d, here in states[-1].items() if here[j])
+        bounds, reps = [j], []
+        for t in range(p.stages - 1, -1, -1):
+            cap = self._cap(t, memory, device_caps)
+            head, tail = self.memory[t]
+            for r in range(1, used + 1):
+                here = states[t].get(used - r)
+                if here is None:
+                    continue
+                q = self._prefix(t, r)
+                starts = np.arange(j)
+                ok = here[:j] & (q[j] - q[:j] <= time)
+                if cap is not None:
+                    ok &= head[j] + tail[:j] <= cap
+                if ok.any():
+                    j, used = int(starts[ok][-1]), used - r
+                    bounds.append(j)
+                    reps.append(r)
+                    break
+            else:  # unreachable after a successful probe
+                raise RuntimeError("could not trace the split back")
+        return split_of(p, bounds[::-1], reps[::-1])
+
+
+def _float_bits(x: float) -> int:
+    return int(np.float64(x).view(np.int64))
+
+
+def _bits_float(b: int) -> float:
+    return float(np.int64(b).view(np.float64))
+
+
+def _least_float(feasible: Callable[[float], bool], lo: float, hi: float) -> float:
+    """Smallest float in (lo, hi] that is feasible, given feasible(hi) and not feasible(lo)."""
+    a, b = _float_bits(lo), _float_bits(hi)
+    while b - a > 1:
+        mid = (a + b) // 2
+        if feasible(_bits_float(mid)):
+            b = mid
+        else:
+            a = mid
+    return _bits_float(b)
+
+
+def _least_int(feasible: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Smallest integer in (lo, hi] that is feasible, given feasible(hi) and not feasible(lo)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _memory_floor(problem: Problem) -> int:
+    """A lower bound on any split's peak memory: the weights spread evenly, or the heaviest
+    layer's weights."""
+    return max(int(problem.weight_bytes.sum()) // problem.stages, int(problem.weight_bytes.max()))
+
+
+def smallest_cap(problem: Problem) -> int:
+    """The least memory cap (bytes, the same on every device) at which any split fits,
+    ignoring time."""
+    sweep = _Sweep(problem)
+    states = sweep.probe(math.inf, None, device_caps=False)
+    if states is None:
+        raise _structure_error(problem)
+    hi = sweep.trace(states, math.inf, None, device_caps=False).peak_memory
+    return _least_int(
+        lambda m: sweep.probe(math.inf, m, device_caps=False) is not None,
+        _memory_floor(problem) - 1,
+        hi,
+    )
+
+
+def _structure_error(problem: Problem) -> InfeasibleError:
+    cuts = int(problem.allowed[1:-1].sum())
+    return InfeasibleError(
+        f"cannot split {problem.layers} layers into {problem.stages} stages: a stage needs at "
+        f"least one layer and only {cuts} cut points are allowed; use at most {cuts + 1} stages"
+    )
+
+
+def _least_time(sweep: _Sweep, hi: float) -> float:
+    """The least T at which some split has every stage cost <= T; ``hi`` is feasible.
+
+    That T is the cost of one stage or link of the best split, so once bisection has narrowed
+    the interval, the stage and link costs inside it are listed and searched exactly."""
+    problem = sweep.p
+
+    def fast_enough(limit: float) -> bool:
+        return sweep.probe(limit, None) is not None
+
+    lo = float(problem.cost.sum()) / (max(problem.speed) * problem.devices)
+    if lo == 0.0 and fast_enough(0.0):
+        return 0.0
+    if lo >= hi or fast_enough(lo):  # the lower bound is (nearly) reached
+        lo, hi = 0.0, min(lo, hi)
+    while hi - lo > hi * _NARROW:
+        mid = lo + (hi - lo) / 2
+        if fast_enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    values = sweep.costs_between(lo, hi)
+    if values is None:  # degenerate: too many stage costs in the interval to list
+        return _least_float(fast_enough, lo, hi)
+    candidates = [*map(float, values), hi]  # hi is feasible, so the search always lands
+    a, b = -1, len(candidates) - 1
+    while b - a > 1:
+        mid_index = (a + b) // 2
+        if fast_enough(candidates[mid_index]):
+            b = mid_index
+        else:
+            a = mid_index
+    return candidates[b]
+
+
+def solve(problem: Problem) -> Split:
+    """The split with the least bottleneck, ties broken toward the least peak memory.
+
+    Raises InfeasibleError (with ``smallest_cap``) if no split fits the memory caps."""
+    sweep = _Sweep(problem)
+    if sweep.probe(math.inf, None, device_caps=False) is None:
+        raise _structure_error(problem)
+    states = sweep.probe(math.inf, None)
+    if states is None:
+        need = smallest_cap(problem)
+        caps = sorted({c for c in problem.memory if c is not None})
+        have = " / ".join(format_bytes(c) for c in caps)
+        raise InfeasibleError(
+            f"no split into {problem.stages} stages fits in {have} per device: the least memory "
+            f"any split needs is {need} bytes ({format_bytes(need)}) on its fullest device; raise "
+            "the cap to at least that, add stages, use fewer micro-batches in flight (1f1b) or "
+            "checkpoint='always'",
+            smallest_cap=need,
+        )
+    time = _least_time(sweep, sweep.trace(states, math.inf, None).bottleneck)
+    best = sweep.probe(time, None)
+    assert best is not None
+    top = sweep.trace(best, time, None).peak_memory
+    memory = _least_int(lambda m: sweep.probe(time, m) is not None, _memory_floor(problem) - 1, top)
+    final = sweep.probe(time, memory)
+    assert final is not None
+    return sweep.trace(final, time, memory)
+
+
+def balance(times: Sequence[float], stages: int) -> list[int]:
+    """Layers per stage for ``stages`` contiguous stages minimising the largest stage sum of
+    ``times`` (any non-negative per-layer costs); every stage gets at least one layer."""
+    if stages > len(times):
+        raise ValueError(f"cannot give {stages} stages a layer each from {len(times)} layers")
+    return solve(make_problem(list(times), stages=stages)).balance

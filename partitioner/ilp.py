@@ -1,0 +1,125 @@
+"""Integer program for ordered chains of unlike devices (pulp + CBC).
+
+Stage t runs on device t of the chain (its speed, memory and the link to device t + 1 differ per
+device). Binary ``e[t, p]`` says that stage t ends at cut position p; every prefix-sum quantity of
+a stage is then linear: X[end_t] = sum_p X[p] e[t, p] and X[start_t] = X[end_(t-1)]. The program
+
+    minimise T  subject to  sum_p e[t, p] = 1,  end_(t+1) >= end_t + 1,
+                            compute_t <= T,  link_t <= T,  memory_t <= cap_t
+
+uses the cost model of :mod:`partitioner.costs` exactly as the DP does, so on identical devices
+both find the same bottleneck. A second program breaks ties toward the least peak memory. The DP
+is faster and exact; this exists for device mixes and as an independent check of the DP.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pulp
+
+from partitioner.costs import Problem, compute_prefix, link_time, memory_terms
+from partitioner.dp import Split, smallest_cap, split_of
+from partitioner.errors import InfeasibleError
+
+
+def _solve(model: pulp.LpProblem, time_limit: float | None) -> bool:
+    with warnings.catch_warnings():
+        # pulp 3 marks its bundled CBC for removal in pulp 4 yet ships no other solver.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+    model.solve(solver)
+    return pulp.LpStatus[model.status] == "Optimal"
+
+
+def _variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
+    """A variable of ``model`` (pulp >= 3.3 attaches variables to their model)."""
+    if hasattr(model, "add_variable"):
+        return model.add_variable(name, lowBound=0, cat=cat)
+    return pulp.LpVariable(name, lowBound=0, cat=cat)
+
+
+class _Program:
+    """The split as an integer program; ``objective`` is "time" or "memory"."""
+
+    def __init__(self, problem: Problem, cuts: list[int], objective: str, limit: float) -> None:
+        n, s = problem.layers, problem.stages
+        self.problem, self.cuts = problem, cuts
+        self.model = pulp.LpProblem(objective, pulp.LpMinimize)
+        self.e = {
+            (t, p): _variable(self.model, f"e_{t}_{p}", "Binary")
+            for t in range(s - 1)
+            for p in cuts
+        }
+        q = [compute_prefix(problem, t) for t in range(s)]
+        self.time_scale = max(float(x[-1]) for x in q) or 1.0
+        mem = [memory_terms(problem, t) for t in range(s)]
+        mem_scale = float(max(int(h[-1]) for h, _ in mem)) or 1.0
+        position = np.arange(n + 1, dtype=float)
+        for t in range(s - 1):
+            self.model += pulp.lpSum(self.e[t, p] for p in cuts) == 1
+            if t > 0:
+                self.model += self._end(t, position) >= self._end(t - 1, position) + 1
+        memory = [
+            self._end(t, mem[t][0] / mem_scale) + self._start(t, mem[t][1] / mem_scale)
+            for t in range(s)
+        ]
+        for t, cap in enumerate(problem.memory):
+            if cap is not None:
+                self.model += memory[t] <= cap / mem_scale
+        times = [
+            self._end(t, q[t] / self.time_scale) - self._start(t, q[t] / self.time_scale)
+            for t in range(s)
+        ] + [self._end(t, link_time(problem, t) / self.time_scale) for t in range(s - 1)]
+        bound = _variable(self.model, "bound", "Continuous")
+        self.model += bound
+        for x in times:
+            self.model += x <= (bound if objective == "time" else limit / self.time_scale)
+        if objective == "memory":
+            for x in memory:
+                self.model += x <= bound
+
+    def _end(self, t: int, values: np.ndarray) -> pulp.LpAffineExpression:
+        if t == self.problem.stages - 1:
+            return pulp.LpAffineExpression(constant=float(values[self.problem.layers]))
+        return pulp.lpSum(float(values[p]) * self.e[t, p] for p in self.cuts)
+
+    def _start(self, t: int, values: np.ndarray) -> pulp.LpAffineExpression:
+        if t == 0:
+            return pulp.LpAffineExpression(constant=float(values[0]))
+        return self._end(t - 1, values)
+
+    def solve(self, time_limit: float | None) -> Split | None:
+        """The chosen split, evaluated by the shared cost model, or None if infeasible."""
+        if not _solve(self.model, time_limit):
+            return None
+        e, s = self.e, self.problem.stages
+        ends = [max(self.cuts, key=lambda p: e[t, p].varValue or 0.0) for t in range(s - 1)]
+        return split_of(self.problem, [0, *ends, self.problem.layers], [1] * s)
+
+
+def solve_ilp(problem: Problem, time_limit: float | None = None) -> Split:
+    """The least-bottleneck split of ``problem`` (one device per stage) by integer programming."""
+    if problem.devices != problem.stages:
+        raise ValueError("the integer program places one device per stage; use the DP to replicate")
+    n, s = problem.layers, problem.stages
+    cuts = [p for p in range(1, n) if problem.allowed[p]]
+    if len(cuts) < s - 1:
+        raise InfeasibleError(
+            f"cannot split {n} layers into {s} stages: only {len(cuts)} cut points are allowed"
+        )
+    best = _Program(problem, cuts, "time", math.inf).solve(time_limit)
+    if best is None:
+        need = smallest_cap(problem)
+        raise InfeasibleError(
+            f"no split fits the devices' memory: the least memory any split needs is {need} "
+            "bytes on its fullest device",
+            smallest_cap=need,
+        )
+    tied = _Program(problem, cuts, "memory", best.bottleneck).solve(time_limit)
+    if tied is not None and tied.bottleneck <= best.bottleneck:
+        if tied.peak_memory < best.peak_memory:
+            return tied
+    return best

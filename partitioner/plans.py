@@ -1,0 +1,190 @@
+"""The plan: the contract between planning and running, as a dataclass and a JSON file.
+
+JSON format (``version`` 1; times in seconds, sizes in bytes)::
+
+    {
+      "format": "pipetrain-plan", "version": 1,
+      "schedule": "1f1b", "stages": 2, "microbatches": 8, "microbatch_size": 32,
+      "checkpoint": "never", "device": "...", "solver": "dp",
+      "balance": [3, 2],
+      "stage_to_rank": [0, 1],             (or [[0, 1], [2]] when a stage is replicated)
+      "bottleneck": 0.012, "step_time": 0.11, "bubble_fraction": 0.11,
+      "samples_per_second": 2327.3,
+      "per_stage": [
+        {"layers": [0, 3], "ranks": [0], "names": ["0", "1", "2"], "param_counts": [10, 0, 20],
+         "forward_time": 0.004, "backward_time": 0.008, "compute_time": 0.012,
+         "allreduce_time": 0.0, "transfer_time": 0.0004, "transfer_bytes": 1048576,
+         "memory_bytes": 123456789},
+        ...
+      ]
+    }
+
+``layers`` is the half-open range of layer indices of the stage. Per-stage times are seconds per
+micro-batch (a replicated stage's replicas take turns, so its times are divided by the number of
+ranks); ``compute_time`` is forward + backward + the all-reduce amortised over the step's
+micro-batches, ``allreduce_time`` the all-reduce once per step; ``transfer_time`` and
+``transfer_bytes`` describe one activation message to the next stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import PlanFileError, PlanMismatchError
+
+FORMAT = "pipetrain-plan"
+VERSION = 1
+FIX = "re-run `pipetrain profile` and `pipetrain plan` for this model"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its layers, its devices and what the cost model predicts for it."""
+
+    layers: tuple[int, int]  # [first, stop)
+    ranks: list[int]
+    names: list[str]
+    param_counts: list[int]
+    forward_time: float
+    backward_time: float
+    compute_time: float
+    allreduce_time: float
+    transfer_time: float
+    transfer_bytes: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to cut a model into stages and place them, with the predicted step."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    microbatch_size: int
+    checkpoint: str
+    balance: list[int]
+    stage_to_rank: list[int] | list[list[int]]
+    per_stage: list[StagePlan]
+    bottleneck: float
+    step_time: float
+    bubble_fraction: float
+    samples_per_second: float
+    device: str = ""
+    solver: str = "dp"
+    version: int = VERSION
+
+    @property
+    def names(self) -> list[str]:
+        """Layer names in model order."""
+        return [name for stage in self.per_stage for name in stage.names]
+
+    @property
+    def param_counts(self) -> list[int]:
+        """Parameter count of each layer in model order."""
+        return [count for stage in self.per_stage for count in stage.param_counts]
+
+    def ranks(self, stage: int) -> list[int]:
+        """The ranks that run ``stage`` (more than one when it is replicated)."""
+        return list(self.per_stage[stage].ranks)
+
+    def check_model(self, names: list[str], param_counts: list[int]) -> None:
+        """Raise PlanMismatchError unless the model has the planned layers: same count, names
+        and parameter counts, in order."""
+        if len(names) != len(param_counts):
+            raise ValueError(f"got {len(names)} names but {len(param_counts)} parameter counts")
+        want_names, want_counts = self.names, self.param_counts
+        if len(names) != len(want_names):
+            raise PlanMismatchError(
+                f"the model has {len(names)} layers but the plan was made for "
+                f"{len(want_names)} layers; {FIX}"
+            )
+        problems = []
+        for i, (got, want) in enumerate(zip(names, want_names, strict=True)):
+            if got != want:
+                problems.append(f"layer {i} is named {got!r} in the model but {want!r} in the plan")
+                break
+        for i, (got_n, want_n) in enumerate(zip(param_counts, want_counts, strict=True)):
+            if got_n != want_n:
+                problems.append(
+                    f"layer {i} ({names[i]!r}) has {got_n:,} parameters in the model but "
+                    f"{want_n:,} in the plan"
+                )
+                break
+        if problems:
+            raise PlanMismatchError("; ".join(problems) + f"; {FIX}")
+
+    def table(self) -> str:
+        """The stages as a text table for people."""
+        rows = [
+            f"{'stage':>5} {'layers':>11} {'ranks':>8} {'params':>12} {'compute ms':>10} "
+            f"{'send ms':>8} {'memory GiB':>10}"
+        ]
+        for t, s in enumerate(self.per_stage):
+            ranks = ",".join(map(str, s.ranks))
+            rows.append(
+                f"{t:>5} {s.layers[0]:>5}-{s.layers[1] - 1:<5} {ranks:>8} "
+                f"{sum(s.param_counts):>12,} {s.compute_time * 1e3:>10.3f} "
+                f"{s.transfer_time * 1e3:>8.3f} {s.memory_bytes / 2**30:>10.3f}"
+            )
+        rows.append(
+            f"bottleneck {self.bottleneck * 1e3:.3f} ms, step {self.step_time * 1e3:.3f} ms, "
+            f"bubble {self.bubble_fraction:.1%}, {self.samples_per_second:,.1f} samples/s"
+        )
+        return "\n".join(rows)
+
+    def to_json(self) -> str:
+        """The plan as the documented JSON text."""
+        data = {"format": FORMAT, "version": self.version, **asdict(self)}
+        for stage in data["per_stage"]:
+            stage["layers"] = list(stage["layers"])
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`; a clear PlanFileError otherwise."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFileError(f"plan is not valid JSON: {err}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise PlanFileError(f"not a {FORMAT!r} file")
+        if data.get("version") != VERSION:
+            raise PlanFileError(
+                f"plan version {data.get('version')!r} is not supported (this pipetrain reads "
+                f"version {VERSION}); re-run `pipetrain plan`"
+            )
+        stages = [_stage_from_dict(s, t) for t, s in enumerate(_field(data, "per_stage", "plan"))]
+        values = {
+            f.name: _field(data, f.name, "plan") for f in fields(cls) if f.name != "per_stage"
+        }
+        return cls(**{**values, "per_stage": stages})
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan from the JSON file at ``path``."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except PlanFileError as err:
+            raise PlanFileError(f"{path}: {err}") from None
+
+
+def _field(data: dict[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise PlanFileError(f"{where} is missing the field {key!r}")
+    return data[key]
+
+
+def _stage_from_dict(data: Any, index: int) -> StagePlan:
+    if not isinstance(data, dict):
+        raise PlanFileError(f"stage {index} must be an object")
+    values = {f.name: _field(data, f.name, f"stage {index}") for f in fields(StagePlan)}
+    values["layers"] = tuple(values["layers"])
+    return StagePlan(**values)

@@ -1,0 +1,225 @@
+"""Per-layer costs of a model, as measured once and planned many times.
+
+Units everywhere in the planner: SECONDS for time, BYTES for sizes. A profile describes one batch
+of ``batch_size`` samples on the profiled device; the planner scales times and activation sizes
+linearly to the micro-batch it plans for.
+
+JSON format (``version`` 1)::
+
+    {
+      "format": "pipetrain-profile",
+      "version": 1,
+      "device": "NVIDIA A100-SXM4-40GB",
+      "batch_size": 32,
+      "input_bytes": 19267584,
+      "layers": [
+        {"name": "0", "forward": 0.0012, "backward": 0.0025, "activation_bytes": 102760448,
+         "param_count": 1792, "param_bytes": 7168, "optimizer_state_bytes": 14336},
+        ...
+      ],
+      "boundaries": null
+    }
+
+``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
+output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
+whose outputs cross the cut after layer i (a branched graph), and whether the cut may be used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import ProfileError
+
+FORMAT = "pipetrain-profile"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's costs for a batch of the profile's ``batch_size``.
+
+    ``forward``/``backward`` are seconds; ``activation_bytes`` is the size of this layer's output
+    (what is stashed for backward and what crosses a stage boundary after it);
+    ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32.
+    """
+
+    name: str
+    forward: float
+    backward: float
+    activation_bytes: int
+    param_count: int
+    param_bytes: int
+    optimizer_state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for what in ("forward", "backward"):
+            if not getattr(self, what) >= 0:
+                raise ValueError(f"layer {self.name!r}: {what} time must be >= 0 seconds")
+        for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes"):
+            if getattr(self, what) < 0:
+                raise ValueError(f"layer {self.name!r}: {what} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The cut after one layer of a branched graph: the layers whose outputs cross it."""
+
+    sources: tuple[int, ...]
+    allowed: bool = True
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured costs of every layer, in execution order, for one batch of ``batch_size``."""
+
+    device: str
+    batch_size: int
+    layers: list[LayerCost]
+    input_bytes: int = 0
+    boundaries: list[Boundary] | None = None
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.layers:
+            raise ValueError("a profile needs at least one layer")
+        if self.boundaries is not None:
+            n = len(self.layers)
+            if len(self.boundaries) != n - 1:
+                raise ValueError(f"{n} layers have {n - 1} boundaries, got {len(self.boundaries)}")
+            for cut, boundary in enumerate(self.boundaries):
+                if any(not 0 <= s <= cut for s in boundary.sources):
+                    raise ValueError(
+                        f"boundary after layer {cut} names a source that is not before it: "
+                        f"{boundary.sources}"
+                    )
+
+    @property
+    def names(self) -> list[str]:
+        """Layer names in order."""
+        return [layer.name for layer in self.layers]
+
+    def crossing(self, cut: int) -> tuple[int, ...]:
+        """Indices of the layers whose outputs cross the cut after layer ``cut``."""
+        if self.boundaries is None:
+            return (cut,)
+        return self.boundaries[cut].sources
+
+    def cut_allowed(self, cut: int) -> bool:
+        """Whether a stage may end after layer ``cut``."""
+        return self.boundaries is None or self.boundaries[cut].allowed
+
+    def to_json(self) -> str:
+        """The profile as the documented JSON text."""
+        data: dict[str, Any] = {
+            "format": FORMAT,
+            "version": self.version,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "input_bytes": self.input_bytes,
+            "layers": [asdict(layer) for layer in self.layers],
+            "boundaries": None
+            if self.boundaries is None
+            else [{"sources": list(b.sources), "allowed": b.allowed} for b in self.boundaries],
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Read a profile written by :meth:`to_json`; a clear ProfileError otherwise."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"profile is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ProfileError("profile JSON must be an object")
+        return _profile_from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile from the JSON file at ``path``."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except ProfileError as err:
+            raise ProfileError(f"{path}: {err}") from None
+
+
+_LAYER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "forward": (int, float),
+    "backward": (int, float),
+    "activation_bytes": int,
+    "param_count": int,
+    "param_bytes": int,
+}
+
+
+def _require(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise ProfileError(f"{where} is missing the field {key!r}")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ProfileError(f"{where}: field {key!r} has the wrong type ({value!r})")
+    return value
+
+
+def _layer_from_dict(data: Any, index: int) -> LayerCost:
+    where = f"layer {index}"
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where} must be an object")
+    values = {key: _require(data, key, kind, where) for key, kind in _LAYER_FIELDS.items()}
+    values["optimizer_state_bytes"] = data.get("optimizer_state_bytes", 0)
+    try:
+        return LayerCost(**values)
+    except ValueError as err:
+        raise ProfileError(str(err)) from None
+
+
+def _boundaries_from_list(data: Any) -> list[Boundary] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise ProfileError("field 'boundaries' must be null or a list")
+    out = []
+    for cut, item in enumerate(data):
+        where = f"boundary {cut}"
+        if not isinstance(item, dict):
+            raise ProfileError(f"{where} must be an object")
+        sources: Sequence[int] = _require(item, "sources", list, where)
+        out.append(Boundary(tuple(int(s) for s in sources), bool(item.get("allowed", True))))
+    return out
+
+
+def _profile_from_dict(data: Mapping[str, Any]) -> Profile:
+    if data.get("format", FORMAT) != FORMAT:
+        raise ProfileError(f"this is a {data.get('format')!r} file, not a {FORMAT!r} file")
+    version = _require(data, "version", int, "profile")
+    if version != VERSION:
+        raise ProfileError(
+            f"profile version {version} is not supported (this pipetrain reads version "
+            f"{VERSION}); re-run `pipetrain profile` with this version of pipetrain"
+        )
+    layers = _require(data, "layers", list, "profile")
+    try:
+        return Profile(
+            device=_require(data, "device", str, "profile"),
+            batch_size=_require(data, "batch_size", int, "profile"),
+            layers=[_layer_from_dict(layer, i) for i, layer in enumerate(layers)],
+            input_bytes=int(data.get("input_bytes", 0)),
+            boundaries=_boundaries_from_list(data.get("boundaries")),
+            version=version,
+        )
+    except ValueError as err:
+        if isinstance(err, ProfileError):
+            raise
+        raise ProfileError(str(err)) from None

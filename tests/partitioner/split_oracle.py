@@ -1,0 +1,145 @@
+"""Brute force for the partitioner tests: every split, costed straight from the definitions.
+
+Written apart from ``partitioner.costs`` on purpose, so the tests compare two implementations of
+the cost model rather than one with itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Instance:
+    """Raw inputs of one split problem (per micro-batch), as lists."""
+
+    forward: list[float]
+    backward: list[float]
+    stages: int
+    weight_bytes: list[int] = field(default_factory=list)
+    activation_bytes: list[int] = field(default_factory=list)
+    param_bytes: list[int] = field(default_factory=list)
+    cut_bytes: list[int] = field(default_factory=list)  # L + 1 positions
+    allowed: list[bool] = field(default_factory=list)  # L + 1 positions
+    inflight: list[int] = field(default_factory=list)
+    checkpoint: bool = False
+    speed: list[float] = field(default_factory=list)
+    memory: list[int | None] = field(default_factory=list)
+    bandwidth: list[float] = field(default_factory=list)
+    devices: int = 0
+    microbatches: int = 1
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of ``partitioner.make_problem``."""
+        return {
+            "stages": self.stages,
+            "weight_bytes": self.weight_bytes,
+            "activation_bytes": self.activation_bytes,
+            "param_bytes": self.param_bytes,
+            "cut_bytes": self.cut_bytes,
+            "allowed": self.allowed,
+            "inflight": self.inflight,
+            "checkpoint": self.checkpoint,
+            "speed": self.speed,
+            "memory": self.memory,
+            "bandwidth": self.bandwidth,
+            "devices": self.devices,
+            "microbatches": self.microbatches,
+        }
+
+
+def stage_costs(inst: Instance, bounds: list[int], reps: list[int]) -> list[tuple[float, int]]:
+    """(time, memory) of every stage of a split, from the definitions."""
+    out = []
+    s = inst.stages
+    for t in range(s):
+        i, j, r = bounds[t], bounds[t + 1], reps[t]
+        work = sum(inst.forward[i:j]) + sum(inst.backward[i:j])
+        grads = sum(inst.param_bytes[i:j])
+        bandwidth = inst.bandwidth[0] if inst.bandwidth else float("inf")
+        allreduce = 2 * (r - 1) / r * grads / bandwidth
+        compute = work / (inst.speed[t] * r) + allreduce / inst.microbatches
+        link = 2 * inst.cut_bytes[j] / inst.bandwidth[t] if t < s - 1 else 0.0
+        k = inst.inflight[t]
+        acts = sum(inst.activation_bytes[i:j])
+        stash = k * inst.cut_bytes[i] + (acts if inst.checkpoint else k * acts)
+        out.append((max(compute, link), sum(inst.weight_bytes[i:j]) + stash))
+    return out
+
+
+def splits(inst: Instance, use_caps: bool = True):
+    """Every feasible split as (bottleneck, peak memory, bounds, replicas)."""
+    n, s = len(inst.forward), inst.stages
+    positions = [p for p in range(1, n) if inst.allowed[p]]
+    for cuts in itertools.combinations(positions, s - 1):
+        bounds = [0, *cuts, n]
+        for reps in itertools.product(range(1, inst.devices - s + 2), repeat=s):
+            if sum(reps) > inst.devices:
+                continue
+            costs = stage_costs(inst, bounds, list(reps))
+            caps = inst.memory if use_caps else [None] * s
+            if any(c is not None and m > c for (_, m), c in zip(costs, caps, strict=True)):
+                continue
+            yield max(t for t, _ in costs), max(m for _, m in costs), bounds, list(reps)
+
+
+def optimum(inst: Instance, use_caps: bool = True) -> tuple[float, int] | None:
+    """Least bottleneck and, among splits within 1e-9 of it, least peak memory."""
+    found = list(splits(inst, use_caps))
+    if not found:
+        return None
+    best = min(b for b, _, _, _ in found)
+    return best, min(m for b, m, _, _ in found if b <= best * (1 + 1e-9) + 1e-15)
+
+
+def random_instance(
+    rng: random.Random,
+    *,
+    max_layers: int = 8,
+    max_stages: int = 4,
+    bytes_on: bool = True,
+    links: bool = True,
+    forbid: bool = True,
+    unlike: bool = False,
+    extra_devices: int = 0,
+) -> Instance:
+    """A small random instance; caps are drawn around what splits need so some bind."""
+    n = rng.randint(1, max_layers)
+    s = rng.randint(1, min(n, max_stages))
+    m = rng.randint(1, 6)
+
+    def sizes(count: int) -> list[int]:
+        return [rng.randint(0, 1000) if bytes_on else 0 for _ in range(count)]
+
+    allowed = [True] + [not forbid or rng.random() > 0.25 for _ in range(n - 1)] + [True]
+    schedule_1f1b = rng.random() < 0.5
+    inst = Instance(
+        forward=[rng.uniform(0.0, 1.0) for _ in range(n)],
+        backward=[rng.uniform(0.0, 2.0) for _ in range(n)],
+        stages=s,
+        weight_bytes=sizes(n),
+        activation_bytes=sizes(n),
+        param_bytes=sizes(n),
+        cut_bytes=[*sizes(n), 0],
+        allowed=allowed,
+        inflight=[min(m, s - t) if schedule_1f1b else m for t in range(s)],
+        checkpoint=rng.random() < 0.5,
+        speed=[rng.choice([0.5, 1.0, 2.0]) if unlike else 1.0] * s,
+        memory=[None] * s,
+        bandwidth=[rng.uniform(200.0, 2000.0) if links else float("inf")] * (s - 1),
+        devices=s + extra_devices,
+        microbatches=m,
+    )
+    if unlike:
+        inst.speed = [rng.choice([0.5, 1.0, 2.0]) for _ in range(s)]
+        inst.bandwidth = [rng.uniform(200.0, 2000.0) for _ in range(s - 1)]
+    if extra_devices and s == 1:
+        inst.bandwidth = []
+    return inst
+
+
+def least_memory(inst: Instance) -> int | None:
+    """The least peak memory of any split, caps and time ignored."""
+    return min((m for _, m, _, _ in splits(inst, use_caps=False)), default=None)

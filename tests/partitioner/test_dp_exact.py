@@ -1,0 +1,117 @@
+"""The DP finds the brute-force optimum: bottleneck, then peak memory, on random instances."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from split_oracle import Instance, least_memory, optimum, random_instance, stage_costs
+
+from partitioner import InfeasibleError, make_problem, solve
+from partitioner.costs import inflight
+from schedules import build, simulate
+
+
+def _with_caps(rng: random.Random, inst: Instance, uniform: bool = True) -> None:
+    """Caps between 'nothing fits' and 'everything fits' so that they bind."""
+    low = least_memory(inst)
+    if low is None:  # too few allowed cuts: no cap matters
+        return
+    draw = [int(low * rng.uniform(0.9, 1.6)) for _ in range(inst.stages)]
+    inst.memory = [draw[0]] * inst.stages if uniform else draw
+
+
+def _check(inst: Instance) -> None:
+    problem = make_problem(inst.forward, inst.backward, **inst.kwargs())
+    want = optimum(inst)
+    if want is None:
+        with pytest.raises(InfeasibleError) as err:
+            solve(problem)
+        assert err.value.smallest_cap == least_memory(inst)
+        return
+    got = solve(problem)
+    assert got.bottleneck == pytest.approx(want[0], rel=1e-9, abs=1e-12)
+    assert got.peak_memory == want[1]
+    assert sum(got.balance) == len(inst.forward) and min(got.balance) >= 1
+    assert all(inst.allowed[b] for b in got.bounds)
+    costs = stage_costs(inst, list(got.bounds), list(got.replicas))
+    assert max(t for t, _ in costs) == pytest.approx(got.bottleneck, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_times_only_match_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(40):
+        _check(random_instance(rng, bytes_on=False, links=False, forbid=False))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_transfers_and_forbidden_cuts_match_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    for _ in range(40):
+        _check(random_instance(rng))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_memory_caps_match_brute_force(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    for _ in range(40):
+        inst = random_instance(rng)
+        _with_caps(rng, inst)
+        _check(inst)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unlike_devices_in_a_chain_match_brute_force(seed: int) -> None:
+    rng = random.Random(300 + seed)
+    for _ in range(30):
+        inst = random_instance(rng, unlike=True)
+        _with_caps(rng, inst, uniform=False)
+        _check(inst)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replication_matches_brute_force(seed: int) -> None:
+    rng = random.Random(400 + seed)
+    for _ in range(25):
+        inst = random_instance(rng, max_layers=6, max_stages=3, extra_devices=rng.randint(1, 3))
+        if rng.random() < 0.5:
+            _with_caps(rng, inst)
+        _check(inst)
+
+
+def test_replication_splits_the_heavy_stage() -> None:
+    # One layer costs as much as the other three together: with two spare devices the DP
+    # replicates it instead of leaving it the bottleneck.
+    times = [6.0, 1.0, 1.0, 1.0]
+    alone = solve(make_problem(times, stages=2))
+    shared = solve(make_problem(times, stages=2, devices=4))
+    assert alone.bottleneck == pytest.approx(6.0)
+    assert shared.replicas[0] >= 2
+    assert shared.bottleneck < alone.bottleneck
+
+
+def test_ties_break_toward_less_memory() -> None:
+    # Layer 0 alone is the bottleneck; layers 1-3 fit in two stages either as [1] [2, 3] or as
+    # [1, 2] [3], equally fast. Only the second keeps the two heavy layers apart.
+    problem = make_problem([10.0, 1.0, 1.0, 1.0], stages=3, weight_bytes=[0, 0, 500, 500])
+    split = solve(problem)
+    assert split.bottleneck == pytest.approx(10.0)
+    assert split.bounds == (0, 1, 3, 4)
+    assert split.peak_memory == 500
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_inflight_matches_the_simulator(schedule: str) -> None:
+    for stages in range(1, 6):
+        for microbatches in range(1, 8):
+            peak = simulate(build(schedule, stages, microbatches), 1.0, 1.0).peak_inflight
+            assert inflight(schedule, stages, microbatches) == list(peak)
+
+
+def test_float_search_fallback_is_exact_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the candidate list disabled the DP bisects on the float bits instead.
+    monkeypatch.setattr("partitioner.dp._MAX_CANDIDATES", -1)
+    rng = random.Random(500)
+    for _ in range(20):
+        _check(random_instance(rng))

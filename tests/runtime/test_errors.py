@@ -1,0 +1,207 @@
+"""Bad input gets a clear error naming the problem and the fix; failures never hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
+from tests.runtime.harness import run_ranks
+from tests.runtime.models import batches, mlp, sgd
+from tests.runtime.test_local import pipeline
+
+
+class FailOn(nn.Module):
+    """Raises on one micro-batch of one step (counted by calls in training)."""
+
+    def __init__(self, call: int):
+        super().__init__()
+        self.call, self.calls = call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.call:
+            raise RuntimeError("boom")
+        return x
+
+
+def test_balance_must_sum_to_the_model_length():
+    with pytest.raises(ValueError, match=r"sums to 10 but the model has 12 layers.*\[6, 6\]"):
+        pipeline(mlp(), [5, 5])
+
+
+def test_balance_entries_must_be_positive():
+    with pytest.raises(ValueError, match="positive number of layers"):
+        pipeline(mlp(), [0, 12])
+
+
+def test_only_sequential_models():
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        pipeline(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+def test_batch_must_divide_into_chunks():
+    pipe = pipeline(mlp(), [6, 6], chunks=5)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="batch size 24, which chunks=5 does not divide"):
+        pipe.train_step(x, y)
+
+
+def test_x_and_y_batch_sizes_must_agree():
+    pipe = pipeline(mlp(), [6, 6], chunks=2)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="x has batch size 24 but y has 12"):
+        pipe.train_step(x, y[:12])
+
+
+def test_unknown_schedule_and_checkpoint_mode():
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        pipeline(mlp(), [6, 6], schedule="zigzag")
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        pipeline(mlp(), [6, 6], checkpoint="sometimes")
+
+
+def test_one_device_per_stage():
+    with pytest.raises(ValueError, match="3 devices for 2 stages"):
+        pipetrain.Pipeline(mlp(), [6, 6], devices=["cpu"] * 3)
+
+
+def test_no_process_group_and_no_devices():
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        pipetrain.Pipeline(mlp(), [6, 6])
+
+
+def test_a_failing_layer_is_named_with_its_stage_and_micro_batch():
+    model = nn.Sequential(*mlp()[:6], FailOn(call=3), *mlp()[6:])
+    pipe = pipeline(model, [4, 9], chunks=4, checkpoint="never")  # no recomputed calls
+    x, y = batches(1)[0]
+    with pytest.raises(StageError, match=r"stage 1, layer 6 \(FailOn\), forward of micro-batch 2"):
+        pipe.train_step(x, y)
+    with pytest.raises(PipelineError, match="stopped after a failure"):
+        pipe.train_step(x, y)
+
+
+def test_loss_fn_failure_is_named():
+    pipe = pipeline(mlp(), [6, 6], chunks=2, loss_fn=lambda out, y: out.sum(dim=1))
+    with pytest.raises(StageError, match="stage 1, loss_fn, forward of micro-batch 0.*scalar"):
+        pipe.train_step(*batches(1)[0])
+
+
+def test_shapes_must_agree_within_a_mini_batch():
+    class Ragged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x if self.calls == 1 else x[:, :-1]
+
+    model = nn.Sequential(nn.Linear(4, 4), Ragged(), nn.Linear(4, 2))
+    pipe = pipeline(model, [2, 1], chunks=2, checkpoint="never")
+    with pytest.raises(StageError, match="micro-batch 1 produced .* but micro-batch 0"):
+        pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+
+
+def test_unsupported_boundary_value():
+    class Dict(nn.Module):
+        def forward(self, x):
+            return {"x": x}
+
+    pipe = pipeline(nn.Sequential(Dict(), nn.Identity()), [1, 1])
+    with pytest.raises(TypeError, match="must be a Tensor or a tuple of Tensors"):
+        pipe.eval_step(torch.randn(2, 2))
+
+
+# -- across real processes --------------------------------------------------------------------
+
+
+def _fail_on_stage_one(rank: int, world: int) -> float:
+    model = nn.Sequential(*mlp()[:6], FailOn(call=3), *mlp()[6:])
+    pipe = pipetrain.Pipeline(
+        model, [6, 7], chunks=4, checkpoint="never", loss_fn=nn.functional.cross_entropy,
+        optimizer=sgd, timeout=60,
+    )
+    start = time.monotonic()
+    try:
+        pipe.train_step(*batches(1)[0])
+    finally:
+        elapsed = time.monotonic() - start
+        print(f"rank {rank} stopped after {elapsed:.2f} s")
+    return elapsed
+
+
+def _die_on_stage_one(rank: int, world: int) -> None:
+    class Die(nn.Module):
+        def forward(self, x):
+            os._exit(3)
+
+    model = nn.Sequential(*mlp()[:6], Die(), *mlp()[6:])
+    pipe = pipetrain.Pipeline(model, [6, 7], chunks=4, loss_fn=nn.functional.cross_entropy,
+                              optimizer=sgd, timeout=60)
+    pipe.train_step(*batches(1)[0])
+
+
+def _stall_on_stage_one(rank: int, world: int) -> None:
+    class Stall(nn.Module):
+        def forward(self, x):
+            time.sleep(4)
+            return x
+
+    model = nn.Sequential(*mlp()[:6], Stall(), *mlp()[6:])
+    pipe = pipetrain.Pipeline(model, [6, 7], chunks=2, loss_fn=nn.functional.cross_entropy,
+                              optimizer=sgd, timeout=1.0)
+    pipe.train_step(*batches(1)[0])
+
+
+def _world_size_mismatch(rank: int, world: int) -> None:
+    pipetrain.Pipeline(mlp(), [4, 4, 4])
+
+
+def _errors(results):
+    return [value for status, value in results if status == "error"]
+
+
+def test_a_stage_failure_stops_its_peer_promptly():
+    results = run_ranks(_fail_on_stage_one, 2, deadline=60)
+    (kind0, msg0, _), (kind1, msg1, _) = _errors(results)
+    assert kind1 == "StageError" and "stage 1, layer 6 (FailOn)" in msg1
+    assert kind0 == "PeerError"
+    assert "stage 0" in msg0 and "waiting for stage 1" in msg0, msg0
+    assert "stage 1, layer 6 (FailOn), forward of micro-batch 2 failed" in msg0, msg0
+
+
+def test_a_dead_peer_is_reported_not_waited_for():
+    start = time.monotonic()
+    results = run_ranks(_die_on_stage_one, 2, deadline=60)
+    assert time.monotonic() - start < 40, "well inside the 60 s timeout"
+    assert results[1] == ("died", 3)
+    status, value = results[0]
+    assert status == "error" and value[0] == "PeerError", value
+    assert "waiting for stage 1" in value[1] and "died" in value[1], value[1]
+
+
+def test_a_silent_peer_times_out_naming_peer_micro_batch_and_position():
+    results = run_ranks(_stall_on_stage_one, 2, deadline=60)
+    status, (kind, message, _) = results[0]
+    assert status == "error" and kind == "CommunicationTimeout", message
+    assert "waiting for stage 1 on micro-batch 0" in message, message
+    assert "at action" in message and "timeout=1 s" in message, message
+
+
+def test_world_size_must_match_the_stages():
+    results = run_ranks(_world_size_mismatch, 2, deadline=60)
+    for status, (kind, message, _) in results:
+        assert status == "error" and kind == "ValueError"
+        assert "world size 2 does not match the 3 stages" in message
+        assert "--nproc_per_node=3" in message
+
+
+def test_error_classes():
+    assert issubclass(CommunicationTimeout, PeerError)
+    assert issubclass(PeerError, PipelineError) and issubclass(StageError, PipelineError)

@@ -1,0 +1,83 @@
+"""The single-process multi-device mode: every stage a thread of this process, same schedules.
+
+Same tolerance and reasoning as test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from tests.runtime.models import batches, mlp, reference, sgd
+from tests.runtime.test_distributed import BALANCES, CHECKPOINTS, CHUNKS, SCHEDULES, TOLERANCE
+
+
+def pipeline(model: nn.Sequential, balance, **options) -> pipetrain.Pipeline:
+    options.setdefault("loss_fn", nn.functional.cross_entropy)
+    options.setdefault("optimizer", sgd)
+    return pipetrain.Pipeline(model, balance, devices=["cpu"] * len(balance), **options)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_parameters_match_single_process_training(stages, schedule, checkpoint):
+    data = batches(3)
+    pipe = pipeline(
+        mlp(), BALANCES[stages], chunks=CHUNKS[stages], schedule=schedule, checkpoint=checkpoint
+    )
+    losses = [pipe.train_step(x, y) for x, y in data]
+    expected_state, expected_losses = reference(mlp(), data)
+    state = pipe.module.state_dict()
+    assert list(state) == list(expected_state), "keys are the full model's, in order"
+    for key, value in state.items():
+        assert (value - expected_state[key]).abs().max().item() <= TOLERANCE, key
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+
+
+def test_module_slices_keep_the_model_keys():
+    model = mlp()
+    pipe = pipeline(copy.deepcopy(model), [5, 7])
+    assert list(pipe.stages[1].module.state_dict()) == [
+        k for k in model.state_dict() if int(k.split(".")[0]) >= 5
+    ]
+
+
+def test_eval_step_restores_training_mode_and_matches_the_model():
+    model = mlp()
+    pipe = pipeline(copy.deepcopy(model), [6, 6], chunks=4)
+    x = batches(1)[0][0]
+    with torch.no_grad():
+        expected = model.eval()(x)
+    assert (pipe.eval_step(x) - expected).abs().max().item() <= TOLERANCE
+    assert all(stage.module.training for stage in pipe.stages)
+
+
+def test_adam_and_tuple_inputs_on_the_first_stage():
+    class Add(nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Add(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.01)
+
+    pipe = pipeline(model, [2, 2], chunks=2, optimizer=adam)
+    opt = adam(ref.parameters())
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        a, b = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+        y = torch.randint(0, 3, (6,), generator=g)
+        pipe.train_step((a, b), y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref((a, b)), y).backward()
+        opt.step()
+    for key, value in ref.state_dict().items():
+        assert (pipe.module.state_dict()[key] - value).abs().max().item() <= TOLERANCE
