@@ -20,6 +20,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain import microbatch
+from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.distributed import local_device
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
@@ -62,6 +63,8 @@ class Pipeline:
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
     model is refused. Defaults otherwise: 1 chunk, "1f1b", "except_last".
+    ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
+    (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
     with ``devices`` every stage runs here, stage s on ``devices[s]``.
     """
@@ -80,6 +83,7 @@ class Pipeline:
         devices: Sequence[str | torch.device] | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
+        deferred_batch_norm: bool = False,
         track_memory: bool = False,
     ):
         if plan is not None:
@@ -100,6 +104,8 @@ class Pipeline:
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
+        if deferred_batch_norm:
+            model = cast(nn.Sequential, DeferredBatchNorm.convert(model, chunks))
         parts = split(model, balance)
         self.balance = list(balance)
         self.chunks, self.timeout = chunks, timeout

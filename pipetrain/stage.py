@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from pipetrain.batchnorm import gathering_statistics
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
 
@@ -100,7 +101,8 @@ class Stage:
             # On the last stage the loss is part of the (possibly recomputed) work, so a
             # checkpointed micro-batch keeps nothing but its inputs.
             work = partial(self._run_and_score, target=target)
-            with self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext():
+            ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
+            with ledger, gathering_statistics():
                 if microbatch < checkpoint_stop(self.checkpoint, chunks):
                     output = recompute(work, value, use_reentrant=False)
                 else:

@@ -1,0 +1,83 @@
+"""Deferred BatchNorm: running statistics of the whole mini-batch under micro-batching."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.batchnorm import DeferredBatchNorm
+from tests.runtime.test_local import pipeline
+
+
+def conv_model(first_norm: bool = True) -> nn.Sequential:
+    """BatchNorm first (its input is the data, whatever the weights) or after a convolution.
+    Only one BatchNorm each: a second one would see input normalised per micro-batch."""
+    torch.manual_seed(0)
+    norm: list[nn.Module] = [nn.BatchNorm2d(3, momentum=0.3)] if first_norm else [nn.Identity()]
+    return nn.Sequential(
+        *norm,
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.Identity() if first_norm else nn.BatchNorm2d(4, momentum=None),
+        nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3),
+    )
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 3, 5, 5, generator=g) * 2 + 1, torch.randint(0, 3, (8,), generator=g)
+
+
+def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items() if "running" in k or "tracked" in k}
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("first_norm", [True, False])
+def test_running_statistics_are_those_of_the_whole_mini_batch(checkpoint, first_norm):
+    plain = conv_model(first_norm)
+    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=4, checkpoint=checkpoint,
+                    deferred_batch_norm=True)
+    assert isinstance(pipe.stages[0].module[0 if first_norm else 2], DeferredBatchNorm)
+    x, y = data(0)
+    pipe.train_step(x, y)
+    plain(x)  # plain BatchNorm on the whole mini-batch, before any update: same weights
+    got, want = buffers(pipe.module), buffers(plain)
+    assert got.keys() == want.keys() and want
+    for key in want:
+        assert torch.allclose(got[key].float(), want[key].float(), atol=1e-5), key
+
+
+def test_first_layer_statistics_over_several_steps():
+    plain = conv_model()
+    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=2, deferred_batch_norm=True)
+    for step in range(3):
+        x, y = data(step)
+        pipe.train_step(x, y)
+        plain[0](x)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        got, want = pipe.module.state_dict()["0." + key], plain.state_dict()["0." + key]
+        assert torch.allclose(got.float(), want.float(), atol=1e-5), key
+
+
+def test_plain_batch_norm_would_differ():
+    """The test above can fail: per-micro-batch statistics give other running values."""
+    plain = conv_model()
+    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=4)
+    x, y = data(0)
+    pipe.train_step(x, y)
+    plain(x)
+    got, want = pipe.module.state_dict(), plain.state_dict()
+    assert not torch.allclose(got["0.running_var"], want["0.running_var"], atol=1e-5)
+
+
+def test_eval_uses_running_statistics():
+    plain = conv_model()
+    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=2, deferred_batch_norm=True)
+    pipe.train_step(*data(0))
+    x = data(1)[0]
+    reference = copy.deepcopy(pipe.module).eval()
+    with torch.no_grad():
+        assert torch.allclose(pipe.eval_step(x), reference(x), atol=1e-6)
