@@ -1,7 +1,8 @@
 """The interpreter: walks one stage's action list for one mini-batch.
 
-Each action kind is one small method. Overlap lives here and only here: a send is posted the
-moment the compute that produced its tensor ends (never later than the schedule lists it, so it
+Each action kind is one small method; a compute method returns the sends its result feeds, and
+the loop posts them. Overlap lives here and only here: a send is posted the moment the compute
+that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
 soon as their shapes are known. Every wait has a timeout and, on failure, names the peer, the
 micro-batch and this stage's position in its schedule.
@@ -9,6 +10,7 @@ micro-batch and this stage's position in its schedule.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -25,10 +27,12 @@ from pipetrain.meta import (
     unflatten,
 )
 from pipetrain.stage import Stage
+from pipetrain.trace import Recorder
 from pipetrain.transport import Handle, Transport
 from schedules import Action, Kind
-from schedules.action import RECVS
+from schedules.action import COMPUTE, RECVS
 
+Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
 HEADER_META = (TensorMeta((HEADER_LEN,), torch.int64, False),)
 RECV_LOOKAHEAD = 2  # receives posted ahead of the one being waited on
 
@@ -55,9 +59,11 @@ class Executor:
         actions: Sequence[Action],
         timeout: float,
         training: bool = True,
+        recorder: Recorder | None = None,
     ):
         self.stage, self.transport, self.actions = stage, transport, list(actions)
-        self.timeout, self.training = timeout, training
+        self.timeout, self.training, self.recorder = timeout, training, recorder
+        self.compute_time = 0.0  # seconds of forward and backward work in the last run
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
 
@@ -73,11 +79,22 @@ class Executor:
         self._next_recv = 0
         self._outputs: list[object] = []
         self._position = 0
+        self.compute_time = 0.0
+        if self.recorder:
+            self.recorder.begin_step()
         try:
             for position, action in enumerate(self.actions):
                 self._position = position
                 self._prefetch()
-                getattr(self, "_do_" + action.kind.name.lower())(action)
+                start = time.perf_counter()
+                outgoing = getattr(self, "_do_" + action.kind.name.lower())(action)
+                end = time.perf_counter()
+                if action.kind in COMPUTE:
+                    self.compute_time += end - start
+                if self.recorder:
+                    self.recorder.record(action, start, end)
+                for send in outgoing or ():  # after the span ends: a peer may start at once
+                    self._post(*send)
             self._finish_sends()
         except PeerError as error:
             self.transport.abort(f"stage {self.stage.index} stopped: {error}")
@@ -155,7 +172,7 @@ class Executor:
 
     # -- compute ----------------------------------------------------------------------------
 
-    def _do_forward(self, action: Action) -> None:
+    def _do_forward(self, action: Action) -> list[Outgoing]:
         i = action.microbatch
         if self.stage.is_first:
             if self._inputs is None:
@@ -175,13 +192,14 @@ class Executor:
         if self.stage.is_last:
             if not self.training:
                 self._outputs.append(output)
-            return
+            return []
         tensors, is_tuple = flatten(output, f"stage {self.stage.index} (micro-batch {i})")
         meta = describe(tensors, is_tuple)
         send = Action(Kind.SEND_ACT, action.stage, i)
+        outgoing: list[Outgoing] = []
         if self._out_meta is None:
             self._out_meta = meta
-            self._post(send, [encode(meta)], header=True)
+            outgoing.append((send, [encode(meta)], True))
         elif meta != self._out_meta:
             raise StageError(
                 f"stage {self.stage.index}: micro-batch {i} produced {meta} but micro-batch 0 "
@@ -189,16 +207,18 @@ class Executor:
                 "same shapes and dtypes at a stage boundary (shapes may change between "
                 "mini-batches)"
             )
-        self._post(send, [t.detach() for t in tensors])
+        outgoing.append((send, [t.detach() for t in tensors], False))
+        return outgoing
 
-    def _do_backward(self, action: Action) -> None:
+    def _do_backward(self, action: Action) -> list[Outgoing]:
         i = action.microbatch
         grads: list[torch.Tensor] = []
         if not self.stage.is_last:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
         input_grads = self.stage.backward(i, grads)
-        if not self.stage.is_first:
-            self._post(Action(Kind.SEND_GRAD, action.stage, i), input_grads)
+        if self.stage.is_first:
+            return []
+        return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
 
     def _do_step(self, action: Action) -> None:
         self._finish_sends()

@@ -7,11 +7,14 @@ schedule through the same executor.
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -25,7 +28,9 @@ from pipetrain.distributed import local_device
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
 from pipetrain.planning import load_plan
+from pipetrain.progress import Progress, logger, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
+from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from schedules import Kind, Schedule, build, validate
 
@@ -65,6 +70,10 @@ class Pipeline:
     model is refused. Defaults otherwise: 1 chunk, "1f1b", "except_last".
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
+    ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
+    writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
+    rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
+    for a bar); ``metrics`` holds them after every step on every rank.
     Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
     with ``devices`` every stage runs here, stage s on ``devices[s]``.
     """
@@ -85,6 +94,8 @@ class Pipeline:
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
+        trace: str | os.PathLike | None = None,
+        progress: bool | int = False,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -138,6 +149,30 @@ class Pipeline:
             self.stages = [make_stage(self.stage, device)]
             self.transports = [DistributedTransport(p2p, ranks, device)]
             self._ranks, self._group = ranks, p2p
+        self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
+        self._recorders = self._start_tracing() if self._trace_dir else [None] * len(self.stages)
+        self._progress = Progress(None if progress is True else int(progress)) if progress else None
+        self.metrics: dict = {}
+        self._steps = 0
+        logger.info(
+            "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
+            len(parts), self.balance, schedule, chunks, [s.index for s in self.stages],
+        )
+
+    def _start_tracing(self) -> list[Recorder | None]:
+        if self._threads is not None:
+            return [Recorder(s.index, s.index, self.schedule) for s in self.stages]
+        offset = measure_clock_offset(self._group, self._ranks)
+        recorder = Recorder(dist.get_rank(), self.stages[0].index, self.schedule, offset)
+        atexit.register(self.save_trace)
+        return [recorder]
+
+    def save_trace(self, folder: str | os.PathLike | None = None) -> list[Path]:
+        """Write this process's trace records (done at exit too when tracing)."""
+        folder = folder or self._trace_dir
+        if folder is None:
+            raise ValueError("tracing is off: pass Pipeline(..., trace=DIR) or a folder here")
+        return [r.save(Path(folder)) for r in self._recorders if r is not None]
 
     # -- the user's view --------------------------------------------------------------------
 
@@ -156,12 +191,44 @@ class Pipeline:
         optimizer step per stage. Returns the mini-batch's mean loss on every rank."""
         for stage in self.stages:
             stage.zero_grad()
-        self._run(self.schedule, x, y, training=True)
+        start = time.perf_counter()
+        executors = self._run(self.schedule, x, y, training=True)
+        step_time = time.perf_counter() - start
         last = self.stages[-1]
         loss = torch.zeros((), dtype=torch.float64, device=last.device)
         if last.is_last:
             loss += torch.stack([v.double() for v in last.losses.values()]).mean()
-        return self._from_last_stage(loss)
+        value = self._from_last_stage(loss)
+        self._steps += 1
+        self._record_metrics(value, step_time, executors, x if x is not None else y)
+        return value
+
+    def _record_metrics(
+        self, loss: float, step_time: float, executors: list[Executor], batch: object
+    ) -> None:
+        size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
+        bubbles = [1.0 - e.compute_time / step_time for e in executors]
+        memory = [float(peak_memory(s.device)) for s in self.stages]
+        if self._progress is not None and self._threads is None:
+            bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
+        self.metrics = {
+            "step": self._steps,
+            "loss": loss,
+            "step_time": step_time,
+            "samples_per_second": size / step_time if size else None,
+            "stage_bubble": bubbles,
+            "stage_peak_memory": memory,
+        }
+        logger.debug("step %d: %s", self._steps, self.metrics)
+        first_rank = self._threads is not None or dist.get_rank() == self._ranks[0]
+        if self._progress is not None and first_rank:
+            self._progress.update(self.metrics)
+
+    def _gather_from_stages(self, bubble: float, memory: float) -> tuple[list[float], list[float]]:
+        mine = torch.tensor([bubble, memory], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in self._ranks]
+        dist.all_gather(every, mine, group=self._group)
+        return [float(t[0]) for t in every], [float(t[1]) for t in every]
 
     def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
         """Forward only, in eval mode and without gradients; the output on the last stage
@@ -170,11 +237,11 @@ class Pipeline:
         for stage in self.stages:
             stage.module.eval()
         try:
-            outputs = self._run(self._evaluation, x, None, training=False)
+            self._run(self._evaluation, x, None, training=False)
         finally:
             for stage, mode in zip(self.stages, modes, strict=True):
                 stage.module.train(mode)
-        return microbatch.gather(outputs) if outputs else None
+        return microbatch.gather(self._outputs) if self._outputs else None
 
     # -- running the schedule ---------------------------------------------------------------
 
@@ -185,7 +252,10 @@ class Pipeline:
             return None
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)
 
-    def _run(self, schedule: Schedule, x: object, y: object, training: bool) -> list:
+    def _run(
+        self, schedule: Schedule, x: object, y: object, training: bool
+    ) -> list[Executor]:
+        """Run ``schedule`` on this process's stages; outputs land in ``self._outputs``."""
         if self._failed:
             raise PipelineError(
                 f"this pipeline stopped after a failure ({self._failed}); build a new one "
@@ -199,20 +269,28 @@ class Pipeline:
         inputs = self._split(x, "x", first.device) if first.is_first else None  # type: ignore[arg-type]
         targets = self._split(y, "y", last.device) if last.is_last else None  # type: ignore[arg-type]
         executors = [
-            Executor(stage, transport, schedule.actions[stage.index], self.timeout, training)
-            for stage, transport in zip(self.stages, self.transports, strict=True)
+            Executor(
+                stage, transport, schedule.actions[stage.index], self.timeout, training,
+                recorder if training else None,
+            )
+            for stage, transport, recorder in zip(
+                self.stages, self.transports, self._recorders, strict=True
+            )
         ]
         try:
             if self._threads is None:
-                return executors[0].run(inputs, targets)
+                self._outputs = executors[0].run(inputs, targets)
+                return executors
             futures = [self._threads.submit(e.run, inputs, targets) for e in executors]
             errors = [f.exception() for f in futures]
             root = next((e for e in errors if e and not isinstance(e, PeerError)), None)
             if root or any(errors):
                 raise root or next(e for e in errors if e)
-            return futures[-1].result()
+            self._outputs = futures[-1].result()
+            return executors
         except Exception as error:
             self._failed = f"{type(error).__name__}: {error}"
+            logger.error("pipeline failed: %s", self._failed)
             raise
 
     def _from_last_stage(self, value: torch.Tensor) -> float:

@@ -3,6 +3,7 @@
 from schedules.action import Action, Kind, Schedule
 from schedules.generators import GENERATORS, build, gpipe, one_f_one_b
 from schedules.simulate import Simulation, simulate
+from schedules.timeline import Span, bubble_fraction
 from schedules.validate import ScheduleError, validate
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "Span",
+    "bubble_fraction",
     "build",
     "gpipe",
     "one_f_one_b",

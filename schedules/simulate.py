@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from schedules.action import Action, Kind, Schedule
+from schedules.timeline import Span
 from schedules.validate import validate
 
 
@@ -24,6 +25,7 @@ class Simulation:
     busy: tuple[float, ...]  # compute time of each stage
     peak_inflight: tuple[int, ...]  # most micro-batches whose activations a stage holds at once
     finish: tuple[float, ...]  # when each stage's last action ends
+    timeline: tuple[Span, ...] = ()  # every compute, step and receive wait, as it would run
 
     @property
     def bubble_fraction(self) -> float:
@@ -71,6 +73,7 @@ def simulate(
     inflight = [0] * p
     peak = [0] * p
     busy = [0.0] * p
+    spans: list[Span] = []
     pending = sum(len(v) for v in schedule.actions.values())
     while pending:
         moved = False
@@ -81,13 +84,15 @@ def simulate(
                 if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                     if a not in arrival:
                         break
-                    clock[s] = max(clock[s], arrival[a])
+                    spans.append(Span(a, clock[s], max(clock[s], arrival[a])))
+                    clock[s] = spans[-1].end
                 elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                     source = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
                     hop = link[min(s, a.peer or 0)]
                     arrival[a.matching()] = produced[Action(source, s, a.microbatch)] + hop
                 else:
                     cost = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.STEP: step}[a.kind][s]
+                    spans.append(Span(a, clock[s], clock[s] + cost))
                     clock[s] += cost
                     busy[s] += cost if a.kind is not Kind.STEP else 0.0
                     produced[a] = clock[s]
@@ -103,4 +108,5 @@ def simulate(
         busy=tuple(busy),
         peak_inflight=tuple(peak),
         finish=tuple(clock),
+        timeline=tuple(spans),
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 
 import pytest
 from schedule_oracles import (
@@ -20,6 +19,7 @@ from schedule_oracles import (
 
 from schedules import (
     Action,
+    Kind,
     Schedule,
     ScheduleError,
     Simulation,
@@ -202,26 +202,15 @@ def test_simulator_agrees_with_longest_path_model(seed):
 
 
 def simulate_with_action_times(schedule, *costs):
-    """Run the simulator and read its per-action end times (the ``produced`` map it keeps).
-
-    White-box: the public result only carries per-stage totals, so the per-action timings are
-    taken from the simulator's frame when it returns.
-    """
-    captured = {}
-    code = simulate.__code__
-
-    def hook(frame, event, arg):
-        if event == "return" and frame.f_code is code:
-            captured.update(frame.f_locals.get("produced", {}))
-
-    old = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        sim = simulate(schedule, *costs)
-    finally:
-        sys.setprofile(old)
-    assert captured, "simulate() no longer keeps per-action end times in `produced`"
-    return sim, captured
+    """Run the simulator; return it and the end time of each compute and step action, read
+    from its timeline (whose spans must also last exactly their action's cost)."""
+    sim = simulate(schedule, *costs)
+    timed = (F, B, Kind.STEP)
+    end = {span.action: span.end for span in sim.timeline if span.action.kind in timed}
+    assert len(end) == sum(
+        1 for ops in schedule.actions.values() for a in ops if a.kind in timed
+    ), "the timeline must hold every compute and step action once"
+    return sim, end
 
 
 @pytest.mark.parametrize("seed", range(25))

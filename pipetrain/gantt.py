@@ -1,0 +1,56 @@
+"""Gantt pictures of pipeline timelines: one row per stage, one colour per micro-batch.
+
+Measured traces and simulated schedules are both lists of Spans, so they draw alike and can be
+put side by side. Needs matplotlib (`pip install pipetrain[viz]`), imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from schedules import Kind, Span, bubble_fraction
+
+
+def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path:
+    """One panel per (title, spans), stacked, sharing the time axis (ms from each panel's
+    start). Forward bars are light, backward bars dark, optimizer steps grey."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise RuntimeError(
+            "drawing needs matplotlib: pip install matplotlib (or pipetrain[viz])"
+        ) from error
+    stages = max((s.action.stage for _, spans in panels for s in spans), default=0) + 1
+    micro = max((s.action.microbatch for _, spans in panels for s in spans), default=0) + 1
+    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, 0.5 + 0.45 * stages * len(panels) + 0.4 * len(panels)),
+        sharex=True, squeeze=False,
+    )
+    for ax, (title, spans) in zip(axes[:, 0], panels, strict=True):
+        origin = min((s.start for s in spans), default=0.0)
+        for s in spans:
+            a = s.action
+            if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP):
+                continue
+            colour: object = "0.6"  # optimizer steps
+            if a.kind is not Kind.STEP:
+                colour = colours((2 * a.microbatch + (a.kind is Kind.BACKWARD)) % 20)
+            start, width = (s.start - origin) * 1e3, s.duration * 1e3
+            ax.barh(a.stage, width, left=start, height=0.8, color=colour, edgecolor="white")
+            if a.kind is not Kind.STEP:
+                ax.text(start + width / 2, a.stage, f"{a.kind.value}{a.microbatch}",
+                        ha="center", va="center", fontsize=6, clip_on=True)
+        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+        ax.invert_yaxis()
+        ax.set_title(f"{title} — bubble {bubble_fraction(spans):.1%}", fontsize=10)
+    axes[-1, 0].set_xlabel(f"ms ({micro} micro-batches)")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,175 @@
+"""Recording what each stage ran, and merging the ranks' records into one Chrome trace.
+
+When tracing is on, the executor hands every action's start and end (this host's monotonic clock)
+to a Recorder; off, it hands nothing and pays nothing. Each rank writes ``trace-rank{R}.json``
+with the offset of its clock from rank 0's, measured at start-up, so records from several
+machines line up. ``merge`` turns a folder of them into Chrome/Perfetto trace JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
+
+FORMAT = "pipetrain-trace"
+
+
+@dataclass
+class Recorder:
+    """Spans of one stage's actions, grouped by training step."""
+
+    rank: int
+    stage: int
+    schedule: Schedule
+    clock_offset: float = 0.0  # add to this host's clock to get rank 0's
+    steps: list[list[Span]] = field(default_factory=list)
+
+    def begin_step(self) -> None:
+        self.steps.append([])
+
+    def record(self, action: Action, start: float, end: float) -> None:
+        self.steps[-1].append(Span(action, start, end))
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / f"trace-rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "format": FORMAT,
+            "version": 1,
+            "rank": self.rank,
+            "stage": self.stage,
+            "clock_offset": self.clock_offset,
+            "schedule": self.schedule.name,
+            "stages": self.schedule.stages,
+            "microbatches": self.schedule.microbatches,
+            "steps": [
+                [[s.action.kind.value, s.action.microbatch, s.start, s.end] for s in spans]
+                for spans in self.steps
+            ],
+        }
+        path.write_text(json.dumps(data))
+        return path
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    rank: int
+    stage: int
+    schedule: Schedule
+    steps: list[list[Span]]  # times on rank 0's clock
+
+
+def load(path: str | Path) -> RankTrace:
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != FORMAT or data.get("version") != 1:
+        raise ValueError(f"{path} is not a pipetrain trace (version 1)")
+    stage, offset = data["stage"], data["clock_offset"]
+    steps = [
+        [Span(Action(Kind(k), stage, mb), a + offset, b + offset) for k, mb, a, b in spans]
+        for spans in data["steps"]
+    ]
+    schedule = build(data["schedule"], data["stages"], data["microbatches"])
+    return RankTrace(data["rank"], stage, schedule, steps)
+
+
+def load_folder(folder: str | Path) -> list[RankTrace]:
+    paths = sorted(Path(folder).glob("trace-rank*.json"))
+    if not paths:
+        raise FileNotFoundError(
+            f"no trace-rank*.json in {folder}; train with Pipeline(..., trace=DIR) or "
+            "PIPETRAIN_TRACE=DIR first"
+        )
+    return sorted((load(p) for p in paths), key=lambda t: t.stage)
+
+
+def chrome_trace(traces: Sequence[RankTrace]) -> dict:
+    """Chrome/Perfetto trace events: one track per rank, one slice per action (µs)."""
+    origin = min((s.start for t in traces for step in t.steps for s in step), default=0.0)
+    events: list[dict] = []
+    for t in traces:
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": t.rank,
+                       "args": {"name": f"rank {t.rank} (stage {t.stage})"}})
+        for number, spans in enumerate(t.steps):
+            for s in spans:
+                a = s.action
+                label = "STEP" if a.kind is Kind.STEP else f"{a.kind.value}{a.microbatch}"
+                events.append({
+                    "ph": "X", "pid": 0, "tid": t.rank, "name": label, "cat": a.kind.name,
+                    "ts": (s.start - origin) * 1e6, "dur": s.duration * 1e6,
+                    "args": {"step": number, "microbatch": a.microbatch, "stage": t.stage},
+                })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def step_spans(traces: Sequence[RankTrace], step: int) -> list[Span]:
+    """Every rank's spans of training step ``step`` (negative counts from the end)."""
+    return [s for t in traces for s in t.steps[step]]
+
+
+def measure_clock_offset(group: dist.ProcessGroup, ranks: Sequence[int], rounds: int = 8) -> float:
+    """This rank's clock offset from the group's first rank (NTP-style ping-pong; the round
+    with the shortest round trip wins). Every rank of the group must call it."""
+    me = dist.get_rank()
+    ping = torch.zeros(1, dtype=torch.float64)
+    best = (float("inf"), 0.0)
+    for peer in ranks[1:]:
+        for _ in range(rounds):
+            if me == ranks[0]:
+                dist.recv(ping, peer, group=group)
+                ping[0] = time.perf_counter()
+                dist.send(ping, peer, group=group)
+            elif me == peer:
+                sent = time.perf_counter()
+                dist.send(ping, ranks[0], group=group)
+                dist.recv(ping, ranks[0], group=group)
+                back = time.perf_counter()
+                best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
+    return best[1]
+
+
+def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
+    """The schedule simulated with each stage's measured mean forward and backward times (and
+    free transfers), to set beside the measured step: what remains is the cost of moving data
+    and waiting for it."""
+    schedule = traces[0].schedule
+    forward, backward = [0.0] * schedule.stages, [0.0] * schedule.stages
+    for t in traces:
+        spans = t.steps[step]
+        for kind, out in ((Kind.FORWARD, forward), (Kind.BACKWARD, backward)):
+            times = [s.duration for s in spans if s.action.kind is kind]
+            out[t.stage] = sum(times) / len(times) if times else 0.0
+    return list(simulate(schedule, forward, backward).timeline)
+
+
+def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
+    """Merge ``folder``'s rank traces into ``trace.json`` (Chrome/Perfetto) and, with
+    matplotlib, ``timeline.png`` (measured step beside its simulated twin); return what was
+    written and the measured and simulated bubble fractions of that step."""
+    traces = load_folder(folder)
+    out = Path(folder)
+    (out / "trace.json").write_text(json.dumps(chrome_trace(traces)))
+    measured, twin = step_spans(traces, step), simulated_twin(traces, step)
+    result = {
+        "trace": out / "trace.json",
+        "ranks": len(traces),
+        "steps": min(len(t.steps) for t in traces),
+        "measured_bubble": bubble_fraction(measured),
+        "simulated_bubble": bubble_fraction(twin),
+    }
+    if png:
+        from pipetrain.gantt import draw
+
+        name = traces[0].schedule.name
+        result["picture"] = draw(
+            [(f"measured {name}", measured), (f"simulated {name}, free transfers", twin)],
+            out / "timeline.png",
+        )
+    return result

@@ -1,0 +1,96 @@
+"""Traces: every rank records its actions; merged, they form one valid Chrome trace in which
+each micro-batch's work runs in dependency order across stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+import pipetrain
+from pipetrain.trace import load_folder, report
+from schedules import Kind
+from tests.runtime.harness import run_ranks, values
+from tests.runtime.models import batches, mlp, sgd
+from tests.runtime.test_local import pipeline
+
+STEPS = 3
+SLACK = 1e-3  # seconds: clock offsets between processes are known to about half a round trip
+
+
+def _traced(rank: int, world: int, folder: str) -> float:
+    pipe = pipetrain.Pipeline(
+        mlp(), [2, 3, 4, 3][:world] if world == 4 else [5, 7], chunks=4, schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy, optimizer=sgd, trace=folder, timeout=60,
+    )
+    for x, y in batches(STEPS):
+        pipe.train_step(x, y)
+    pipe.save_trace()
+    return pipe.metrics["stage_bubble"][0]
+
+
+def check_dependency_order(folder) -> None:
+    traces = load_folder(folder)
+    for step in range(STEPS):
+        end, start = {}, {}
+        for t in traces:
+            spans = t.steps[step]
+            computes = [s.action for s in spans if s.action.kind in (Kind.FORWARD, Kind.BACKWARD)]
+            assert computes == t.schedule.compute(t.stage), "ran in the schedule's order"
+            for s in spans:
+                start[s.action], end[s.action] = s.start, s.end
+        p, m = traces[0].schedule.stages, traces[0].schedule.microbatches
+        for i in range(m):
+            for s in range(1, p):
+                f_prev, f_here = end[_a(Kind.FORWARD, s - 1, i)], start[_a(Kind.FORWARD, s, i)]
+                assert f_here >= f_prev - SLACK, (step, s, i)
+                b_next, b_here = end[_a(Kind.BACKWARD, s, i)], start[_a(Kind.BACKWARD, s - 1, i)]
+                assert b_here >= b_next - SLACK, (step, s, i)
+
+
+def _a(kind, stage, mb):
+    from schedules import Action
+
+    return Action(kind, stage, mb)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_merged_trace_is_chrome_json_with_a_track_per_rank(tmp_path, world):
+    bubbles = values(run_ranks(_traced, world, str(tmp_path), deadline=120))
+    assert all(0.0 <= b < 1.0 for b in bubbles)
+    result = report(tmp_path)
+    events = json.loads(result["trace"].read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    names = [e for e in events if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert {e["tid"] for e in slices} == set(range(world)) == {e["tid"] for e in names}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    per_rank_steps = {e["args"]["step"] for e in slices}
+    assert per_rank_steps == set(range(STEPS))
+    forwards = [e for e in slices if e["cat"] == "FORWARD"]
+    assert len(forwards) == world * 4 * STEPS
+    check_dependency_order(tmp_path)
+    assert 0.0 < result["simulated_bubble"] <= result["measured_bubble"] + 0.05
+    assert result["picture"].stat().st_size > 10_000
+
+
+def test_single_process_mode_traces_too(tmp_path):
+    pipe = pipeline(mlp(), [6, 6], chunks=4, trace=tmp_path)
+    for x, y in batches(STEPS):
+        pipe.train_step(x, y)
+    paths = pipe.save_trace()
+    assert sorted(p.name for p in paths) == ["trace-rank0.json", "trace-rank1.json"]
+    check_dependency_order(tmp_path)
+    assert report(tmp_path, png=False)["ranks"] == 2
+
+
+def test_metrics_and_progress_lines(capsys):
+    pipe = pipeline(mlp(), [6, 6], chunks=4, progress=STEPS)
+    for x, y in batches(STEPS):
+        loss = pipe.train_step(x, y)
+    metrics = pipe.metrics
+    assert metrics["step"] == STEPS and metrics["loss"] == loss
+    assert metrics["samples_per_second"] == pytest.approx(24 / metrics["step_time"])
+    assert len(metrics["stage_bubble"]) == 2 and all(0 <= b < 1 for b in metrics["stage_bubble"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == STEPS and lines[-1].startswith(f"step {STEPS}/{STEPS} | loss")
