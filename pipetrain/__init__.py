@@ -1,5 +1,6 @@
 """pipetrain: pipeline-parallel training of nn.Sequential models."""
 
+from pipetrain.checkpointing import consolidate
 from pipetrain.distributed import init_distributed
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.pipeline import Pipeline
@@ -10,5 +11,6 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "StageError",
+    "consolidate",
     "init_distributed",
 ]

@@ -28,8 +28,29 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tupl
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_device())
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=_attempt_store(timeout), rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: float) -> dist.Store:
+    """The rendezvous store, its keys prefixed by torchrun's restart count.
+
+    Under `--rdzv-backend=c10d` the agent keeps one store across restarts, so a restarted
+    group would read the addresses of the processes it replaced and fail to connect; a prefix
+    per attempt keeps each attempt's keys apart.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=not agent and os.environ["RANK"] == "0",
+        timeout=timedelta(seconds=timeout), multi_tenant=not agent,
+    )
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def local_device() -> torch.device:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner import Plan
-from pipetrain import microbatch
+from pipetrain import checkpointing, microbatch
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.distributed import local_device
 from pipetrain.errors import PeerError, PipelineError
@@ -74,6 +74,8 @@ class Pipeline:
     writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
     rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
     for a bar); ``metrics`` holds them after every step on every rank.
+    ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
+    steps are done), and with ``checkpoint_every=N`` saves one every N steps.
     Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
     with ``devices`` every stage runs here, stage s on ``devices[s]``.
     """
@@ -96,6 +98,8 @@ class Pipeline:
         track_memory: bool = False,
         trace: str | os.PathLike | None = None,
         progress: bool | int = False,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 0,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -153,7 +157,10 @@ class Pipeline:
         self._recorders = self._start_tracing() if self._trace_dir else [None] * len(self.stages)
         self._progress = Progress(None if progress is True else int(progress)) if progress else None
         self.metrics: dict = {}
-        self._steps = 0
+        self.step = 0  # training steps done (restored with a checkpoint)
+        self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
+        if checkpoint_dir is not None:
+            self.load(checkpoint_dir)
         logger.info(
             "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
             len(parts), self.balance, schedule, chunks, [s.index for s in self.stages],
@@ -199,9 +206,36 @@ class Pipeline:
         if last.is_last:
             loss += torch.stack([v.double() for v in last.losses.values()]).mean()
         value = self._from_last_stage(loss)
-        self._steps += 1
+        self.step += 1
         self._record_metrics(value, step_time, executors, x if x is not None else y)
+        every = self._checkpoint_every
+        if self._checkpoint_dir is not None and every and self.step % every == 0:
+            self.save(self._checkpoint_dir)
         return value
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
+        every rank calls it. A crash during the save leaves the previous one whole."""
+        return checkpointing.save(
+            folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages
+        )
+
+    def load(self, folder: str | os.PathLike) -> int | None:
+        """Restore the newest checkpoint in ``folder`` (made under any balance); return its
+        step, or None if there is none. Every rank calls it."""
+        step = checkpointing.load(folder, self.stages)
+        if step is not None:
+            self.step = step
+            logger.info("resumed from step %d of %s", step, folder)
+        return step
+
+    @property
+    def _coordinator(self) -> bool:
+        return self._threads is not None or dist.get_rank() == self._ranks[0]
+
+    def _barrier(self) -> None:
+        if self._threads is None:
+            dist.barrier(group=self._group)
 
     def _record_metrics(
         self, loss: float, step_time: float, executors: list[Executor], batch: object
@@ -212,16 +246,15 @@ class Pipeline:
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
         self.metrics = {
-            "step": self._steps,
+            "step": self.step,
             "loss": loss,
             "step_time": step_time,
             "samples_per_second": size / step_time if size else None,
             "stage_bubble": bubbles,
             "stage_peak_memory": memory,
         }
-        logger.debug("step %d: %s", self._steps, self.metrics)
-        first_rank = self._threads is not None or dist.get_rank() == self._ranks[0]
-        if self._progress is not None and first_rank:
+        logger.debug("step %d: %s", self.step, self.metrics)
+        if self._progress is not None and self._coordinator:
             self._progress.update(self.metrics)
 
     def _gather_from_stages(self, bubble: float, memory: float) -> tuple[list[float], list[float]]:

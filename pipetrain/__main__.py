@@ -1,0 +1,7 @@
+"""``python -m pipetrain``: the ``pipetrain`` command (see :mod:`pipetrain.cli`)."""
+
+import sys
+
+from pipetrain.cli import main
+
+sys.exit(main())

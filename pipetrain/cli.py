@@ -1,0 +1,550 @@
+"""The ``pipetrain`` command: profile a model, plan its pipeline, simulate a schedule.
+
+    pipetrain profile examples.models:resnet_like --input-shape 64,3,32,32 -o profile.json
+    pipetrain plan profile.json --stages 4 --microbatches 8 --memory 16GiB \
+        --bandwidth 25GB/s -o plan.json
+    pipetrain plan pipedream:vgg16 --stages 4 --microbatches 8
+    pipetrain simulate plan.json
+    pipetrain simulate profile.json --balance 3,14 --microbatches 8 --schedule gpipe
+
+Exit status 0 on success and 2 on bad input (a file that is missing or malformed, a model that
+cannot be imported, an input shape the model rejects, constraints nothing satisfies), with a
+one-line message on stderr instead of a traceback. Only ``profile`` runs torch code; planning and
+simulating use the torch-free ``partitioner`` and ``schedules``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from partitioner import InfeasibleError, Plan, Profile, format_bytes, load_pipedream, parse_bytes
+from partitioner.costs import StageCost, evaluate, problem_from_profile
+from partitioner.units import parse_bandwidth
+from schedules import GENERATORS, Simulation, build, simulate
+
+PROG = "pipetrain"
+PIPEDREAM_PREFIX = "pipedream:"
+OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adagrad", "adam", "adamw")  # as pipetrain.profiler
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported in one line, exit status 2."""
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _ints(text: str, what: str) -> list[int]:
+    """``"64,3,32,32"`` (or ``64x3x32x32``) as positive integers."""
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{what} must be positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _import_factory(target: str) -> Callable[..., Any]:
+    """The function named by ``module.path:function`` or ``path/to/file.py:function``."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(
+            f"expected MODULE:FUNCTION (e.g. examples.models:resnet_like), got {target!r}"
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: modules of the current directory
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise UsageError(f"no such file: {module_name}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as error:
+        raise UsageError(
+            f"cannot import {module_name!r}: {error} (run from the directory that holds it, "
+            "or put it on PYTHONPATH)"
+        ) from None
+    except Exception as error:
+        raise UsageError(
+            f"importing {module_name!r} failed: {type(error).__name__}: {error}"
+        ) from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise UsageError(
+            f"module {module_name!r} has no function {attr!r}; it has: {', '.join(names) or '-'}"
+        )
+    return factory
+
+
+def _load_profile(source: str, batch_size: int | None) -> Profile:
+    """A profile JSON, a PipeDream graph.txt (by path or ``pipedream:NAME``)."""
+    if source.startswith(PIPEDREAM_PREFIX) or source.endswith(".txt"):
+        name = source.removeprefix(PIPEDREAM_PREFIX)
+        try:
+            return load_pipedream(name, batch_size)
+        except FileNotFoundError as error:
+            raise UsageError(str(error).strip('"')) from None
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(
+            f"no such file: {source} (give a profile JSON from `pipetrain profile`, a PipeDream "
+            "graph.txt or pipedream:NAME)"
+        )
+    if _format_of(path) == "pipetrain-plan":
+        raise UsageError(f"{source} is a plan; give the profile it was made from")
+    return Profile.load(path)
+
+
+def _format_of(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data.get("format") if isinstance(data, dict) else None
+
+
+def _save(text: str, path: str) -> None:
+    try:
+        Path(path).write_text(text + "\n")
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _cuts(balance: Sequence[int]) -> list[int]:
+    """The layers after which a split with ``balance`` cuts."""
+    return [sum(balance[: t + 1]) - 1 for t in range(len(balance) - 1)]
+
+
+def stage_costs(
+    profile: Profile,
+    balance: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    microbatch_size: int | None = None,
+    checkpoint: str = "never",
+    bandwidth: float | str | None = None,
+) -> list[StageCost]:
+    """What the planner's cost model says each stage of the split ``balance`` costs per
+    micro-batch (a split chosen by hand, e.g. a uniform one, to compare with a plan)."""
+    balance = list(balance)
+    if not balance or any(b < 1 for b in balance) or sum(balance) != len(profile.layers):
+        raise UsageError(
+            f"balance {balance} must give every stage at least one layer and cover the "
+            f"profile's {len(profile.layers)} layers"
+        )
+    problem = problem_from_profile(
+        profile,
+        stages=len(balance),
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        bandwidth=math.inf if bandwidth is None else parse_bandwidth(bandwidth),
+    )
+    return evaluate(problem, [0, *(c + 1 for c in _cuts(balance)), len(profile.layers)])
+
+
+def simulate_split(
+    profile: Profile,
+    balance: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    microbatch_size: int | None = None,
+    checkpoint: str = "never",
+    bandwidth: float | str | None = None,
+) -> Simulation:
+    """The schedule simulated on :func:`stage_costs` (the planner's prediction of a split)."""
+    costs = stage_costs(
+        profile,
+        balance,
+        microbatches=microbatches,
+        schedule=schedule,
+        microbatch_size=microbatch_size,
+        checkpoint=checkpoint,
+        bandwidth=bandwidth,
+    )
+    return simulate(
+        build(schedule, len(costs), microbatches),
+        forward=[s.forward for s in costs],
+        backward=[s.backward for s in costs],
+        transfer=[s.message for s in costs[:-1]],
+    )
+
+
+# -- profile ------------------------------------------------------------------------------------
+
+
+def _sample_input(shape: list[int], dtype_name: str, high: int | None, seed: int) -> Any:
+    import torch
+
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"unknown --input-dtype {dtype_name!r}; e.g. float32, bfloat16, int64")
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if high is None or high < 1:
+        raise UsageError(
+            f"an integer input ({dtype_name}) needs --input-high N (values are drawn from "
+            "0..N-1, e.g. N = the vocabulary size)"
+        )
+    return torch.randint(0, high, shape, generator=g, dtype=dtype)
+
+
+def _profile_table(profile: Profile) -> str:
+    rows = [f"{'layer':<28} {'forward ms':>10} {'backward ms':>11} {'output':>11} {'params':>11}"]
+    for layer in profile.layers:
+        rows.append(
+            f"{layer.name:<28} {_ms(layer.forward):>10} {_ms(layer.backward):>11} "
+            f"{format_bytes(layer.activation_bytes):>11} {layer.param_count:>11,}"
+        )
+    total = sum(layer.forward + layer.backward for layer in profile.layers)
+    rows.append(
+        f"{len(profile.layers)} layers, batch {profile.batch_size}, forward+backward "
+        f"{total * 1e3:.3f} ms on {profile.device}"
+    )
+    return "\n".join(rows)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    shape = _ints(args.input_shape, "--input-shape")
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--kwargs is not valid JSON: {error}") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+    factory = _import_factory(args.model)
+
+    import torch
+    from torch import nn
+
+    from pipetrain.profiler import profile
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        model = factory(**kwargs)
+    except Exception as error:
+        raise UsageError(
+            f"{args.model}(**{kwargs}) failed: {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(model, nn.Sequential):
+        raise UsageError(f"{args.model} returned a {type(model).__name__}, not an nn.Sequential")
+    sample = _sample_input(shape, args.input_dtype, args.input_high, args.seed)
+    try:
+        result = profile(
+            model,
+            sample,
+            optimizer=args.optimizer,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            device=args.device,
+        )
+    except (ValueError, RuntimeError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(f"profiling failed: {message}") from None
+    print(_profile_table(result))
+    if args.output:
+        _save(result.to_json(), args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+def describe_plan(plan: Plan) -> str:
+    """The plan as printed by ``pipetrain plan``: a summary line and :meth:`Plan.table`."""
+    layers = sum(plan.balance)
+    head = (
+        f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
+        f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
+        f"{plan.checkpoint}, solver {plan.solver}; profiled on {plan.device}"
+    )
+    return head + "\n" + plan.table()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from partitioner import plan as make_plan
+
+    profile = _load_profile(args.profile, args.batch_size)
+    try:
+        result = make_plan(
+            profile,
+            stages=args.stages,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            memory=args.memory,
+            bandwidth=args.bandwidth,
+            devices=args.devices,
+            checkpoint=args.checkpoint,
+            microbatch_size=args.microbatch_size,
+            solver=args.solver,
+        )
+    except InfeasibleError as error:
+        message = " ".join(str(error).split())
+        if error.smallest_cap is not None:
+            cap = error.smallest_cap
+            message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
+        raise UsageError(f"infeasible: {message}") from None
+    print(describe_plan(result))
+    if args.output:
+        _save(result.to_json(), args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+# -- simulate -----------------------------------------------------------------------------------
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    source = args.source
+    is_plan = (
+        not source.startswith(PIPEDREAM_PREFIX)
+        and Path(source).is_file()
+        and _format_of(Path(source)) == "pipetrain-plan"
+    )
+    note = ""
+    if is_plan:
+        plan = Plan.load(source)
+        if args.balance is not None:
+            raise UsageError("--balance is for a profile; a plan has its own balance")
+        schedule = args.schedule or plan.schedule
+        microbatches = args.microbatches or plan.microbatches
+        size: int | None = plan.microbatch_size
+        balance = plan.balance
+        forward = [s.forward_time for s in plan.per_stage]
+        backward = [s.backward_time for s in plan.per_stage]
+        transfer = [s.transfer_time for s in plan.per_stage[:-1]]
+        allreduce = [s.allreduce_time for s in plan.per_stage]
+        memory: list[int] | None = None
+    else:
+        profile = _load_profile(source, args.batch_size)
+        if args.balance is None:
+            raise UsageError("simulating a profile needs --balance (layers per stage, e.g. 3,5)")
+        balance = _ints(args.balance, "--balance")
+        if args.microbatches is None:
+            raise UsageError("simulating a profile needs --microbatches")
+        schedule = args.schedule or "1f1b"
+        microbatches = args.microbatches
+        size = args.microbatch_size or profile.batch_size
+        costs = stage_costs(
+            profile,
+            balance,
+            microbatches=microbatches,
+            schedule=schedule,
+            microbatch_size=size,
+            checkpoint=args.checkpoint,
+            bandwidth=args.bandwidth,
+        )
+        forward = [s.forward for s in costs]
+        backward = [s.backward for s in costs]
+        transfer = [s.message for s in costs[:-1]]
+        allreduce = [0.0] * len(costs)
+        memory = [s.memory for s in costs]
+        refused = [c for c in _cuts(balance) if not profile.cut_allowed(c)]
+        if refused:
+            note = (
+                f"note: the profile does not allow a cut after layer(s) {refused} (too many "
+                "tensors cross there); the planner would not choose this split"
+            )
+    try:
+        result = simulate(
+            build(schedule, len(balance), microbatches),
+            forward=forward,
+            backward=backward,
+            transfer=transfer,
+            optimizer_step=allreduce,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(
+        f"{schedule}, {len(balance)} stages, balance {balance}, {microbatches} micro-batches"
+        + (f" of {size} samples" if size else "")
+    )
+    header = (
+        f"{'stage':>5} {'layers':>11} {'forward ms':>10} {'backward ms':>11} {'send ms':>8} "
+        f"{'busy ms':>9} {'bubble':>7} {'peak in-flight':>14}"
+    )
+    if memory is not None:
+        header += f" {'memory GiB':>10}"
+    rows = [header]
+    start = 0
+    for t, count in enumerate(balance):
+        row = (
+            f"{t:>5} {start:>5}-{start + count - 1:<5} {_ms(forward[t]):>10} "
+            f"{_ms(backward[t]):>11} {_ms(transfer[t]) if t < len(transfer) else '-':>8} "
+            f"{_ms(result.busy[t]):>9} {result.stage_bubble(t):>7.1%} "
+            f"{result.peak_inflight[t]:>14}"
+        )
+        if memory is not None:
+            row += f" {memory[t] / 2**30:>10.3f}"
+        rows.append(row)
+        start += count
+    rows.append(
+        f"predicted step time {_ms(result.step_time)} ms, bubble fraction "
+        f"{result.bubble_fraction:.1%}"
+        + (
+            f", {microbatches * size / result.step_time:,.1f} samples/s"
+            if size and result.step_time > 0
+            else ""
+        )
+    )
+    rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
+    if note:
+        rows.append(note)
+    print("\n".join(rows))
+    return 0
+
+
+# -- the parser ---------------------------------------------------------------------------------
+
+
+def _add_planning_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="mini-batch size of a PipeDream graph.txt (inferred for image models)",
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=int,
+        help="samples per micro-batch; times scale linearly from the profile's batch "
+        "(default: the profile's batch size)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=["never", "always"],
+        help="activation checkpointing of every micro-batch (default: never)",
+    )
+    p.add_argument("--bandwidth", help="between consecutive stages, e.g. 25GB/s or 100Gbit/s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "profile",
+        help="measure a model layer by layer",
+        description="Build MODULE:FUNCTION's nn.Sequential, run a random input of "
+        "--input-shape through it and time every layer's forward and backward.",
+    )
+    p.add_argument(
+        "model",
+        help="MODULE:FUNCTION returning an nn.Sequential "
+        "(e.g. examples.models:resnet_like, or path/to/file.py:make_model)",
+    )
+    p.add_argument("--input-shape", required=True, help="e.g. 64,3,32,32 (dimension 0: batch)")
+    p.add_argument("--input-dtype", default="float32", help="float32 (default), int64, ...")
+    p.add_argument("--input-high", type=int, help="integer inputs are drawn from 0..N-1")
+    p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for FUNCTION")
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=OPTIMIZERS,
+        help="sets the optimizer state per parameter (default: adam, 2x)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median; 5)")
+    p.add_argument("--device", help="e.g. cuda:0 (default: cpu)")
+    p.add_argument("--threads", type=int, help="torch threads (profile as you will train)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    p.add_argument("-o", "--output", help="write the profile JSON here")
+    p.set_defaults(run=cmd_profile)
+
+    p = sub.add_parser(
+        "plan",
+        help="split a profiled model into pipeline stages",
+        description="Find the split with the least bottleneck under the memory cap and print "
+        "its predicted step. PROFILE: a JSON from `pipetrain profile`, a PipeDream graph.txt, "
+        "or pipedream:NAME for a bundled one (alexnet, vgg16, gnmt, resnet50, ...).",
+    )
+    p.add_argument("profile")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(GENERATORS))
+    p.add_argument("--memory", type=_bytes_arg, help="per device, e.g. 16GiB")
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="devices in all (more than --stages replicates stages in data parallel)",
+    )
+    p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
+    _add_planning_options(p)
+    p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser(
+        "simulate",
+        help="time a schedule for a plan, or for a profile split by --balance",
+        description="Predict the step time, bubble fraction and peak in-flight micro-batches "
+        "per stage. SOURCE: a plan JSON (its split, schedule and micro-batches, overridable), "
+        "or a profile (JSON, graph.txt, pipedream:NAME) with --balance and --microbatches.",
+    )
+    p.add_argument("source")
+    p.add_argument("--balance", help="layers per stage, e.g. 3,5 (for a profile)")
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
+    _add_planning_options(p)
+    p.set_defaults(run=cmd_simulate)
+    return parser
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: the process's arguments); return the exit status
+    (2 for bad input, with a one-line message on stderr)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error argparse has already printed
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        return int(args.run(args))
+    except (UsageError, ValueError, OSError) as error:
+        # ValueError covers the planner's ProfileError, PlanFileError and InfeasibleError.
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Measure an nn.Sequential layer by layer into a :class:`partitioner.Profile`.
+
+Each layer is timed on its own, on the output the layers before it produced from the sample input
+(layer i's output is layer i+1's input), as the pipeline runs it in training: in train mode, with
+autograd recording, its input requiring grad exactly when it does in the whole model (a first
+layer fed plain data computes no input gradient). Its backward is timed from its output's
+gradient with ``torch.autograd.backward(outputs, grads)``, which also accumulates the parameter
+gradients as training does. Times are medians over ``repeats`` runs after ``warmup`` runs; on
+CUDA they come from CUDA events, elsewhere from ``time.perf_counter`` around synchronous work.
+
+Times describe this process's settings: profile with the thread count (``torch.set_num_threads``)
+and the batch size each pipeline stage will run with (the planner scales times linearly from the
+profiled batch to the micro-batch it plans for, which is only an approximation on a CPU, where
+small batches run less efficiently).
+
+The model is left as it was found: its train/eval mode, its buffers (BatchNorm statistics), its
+parameters' ``.grad`` and the random number generators are restored afterwards. With ``device``
+the model is moved there (in place) first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from partitioner import LayerCost, Profile
+from pipetrain.planning import layer_signature
+
+# Optimizer state per parameter byte: plain SGD keeps nothing, momentum one buffer, Adam two.
+OPTIMIZER_STATE = {
+    "sgd": 0,
+    "momentum": 1,
+    "rmsprop": 1,
+    "adagrad": 1,
+    "adam": 2,
+    "adamw": 2,
+}
+
+
+def tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor or nested tuples, lists and dict values), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in tensors_of(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_of(item)]
+    return []
+
+
+def _map(value: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    """``value`` with ``fn`` applied to every tensor in it, structure kept."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_map(item, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: _map(item, fn) for key, item in value.items()}
+    return value
+
+
+def nbytes(value: object) -> int:
+    """Bytes of the tensors in ``value``."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+def describe(value: object) -> str:
+    """Shapes and dtypes of ``value``'s tensors, for messages."""
+    parts = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors_of(value)]
+    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+def device_name(device: torch.device) -> str:
+    """A readable name of ``device`` for the profile: the GPU's name, or the CPU's and the
+    number of threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = f"cpu ({line.split(':', 1)[1].strip()})"
+                break
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+class _Clock:
+    """Marks points in time; ``spans()`` gives the seconds between consecutive marks."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.marks.append(event)
+            return
+        if self.device.type != "cpu":  # another accelerator (mps, xpu, ...): wait for it
+            backend = getattr(torch, self.device.type, None)
+            if backend is not None and hasattr(backend, "synchronize"):
+                backend.synchronize()
+        self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [
+                a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)
+            ]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+@contextmanager
+def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore the model's mode, buffers and gradients and the RNG state afterwards."""
+    modes = [m.training for m in model.modules()]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    grads = [p.grad for p in model.parameters()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for module, mode in zip(model.modules(), modes, strict=True):
+                module.training = mode
+            with torch.no_grad():
+                for b, saved in zip(model.buffers(), buffers, strict=True):
+                    b.copy_(saved)
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+
+
+def _time_layer(
+    layer: nn.Module,
+    value: object,
+    grad_flags: list[bool],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float, object]:
+    """Median forward and backward seconds of ``layer`` on ``value`` and its (detached)
+    output. ``grad_flags`` says which of ``value``'s tensors require grad in the model."""
+    flags = iter(grad_flags)
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(next(flags))
+
+    leaves = _map(value, leaf)
+    forward, backward = [], []
+    output: object = None
+    grads: list[torch.Tensor] | None = None
+    for run in range(warmup + repeats):
+        # A fresh copy per run: an in-place layer must not change the stored input (or a leaf).
+        inputs = _map(leaves, lambda t: t.clone())
+        for t in tensors_of(leaves):
+            t.grad = None
+        clock = _Clock(device)
+        clock.mark()
+        output = layer(inputs)
+        clock.mark()
+        outs = [t for t in tensors_of(output) if t.requires_grad]
+        if grads is None:
+            # Random output gradients, made once and outside the timing.
+            grads = [torch.randn_like(t) for t in outs]
+        if outs:
+            torch.autograd.backward(outs, grads)
+        clock.mark()
+        spans = clock.spans()
+        if run >= warmup:
+            forward.append(spans[0])
+            backward.append(spans[1] if outs else 0.0)
+    return statistics.median(forward), statistics.median(backward), output
+
+
+def profile(
+    model: nn.Sequential,
+    sample_input: object,
+    *,
+    optimizer: str = "adam",
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+) -> Profile:
+    """Profile every layer of ``model`` on ``sample_input`` (one batch: its first tensor's
+    dimension 0 is the batch size); see the module docstring for what is measured.
+
+    ``optimizer`` sets the optimizer state per parameter: "sgd" none, "momentum", "rmsprop"
+    and "adagrad" one copy of the parameters, "adam" and "adamw" two. ``device``: where to run
+    (the model is moved there); by default where the model's parameters are. A layer that
+    fails raises ValueError naming the layer and the input it was given.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"profile takes an nn.Sequential, got {type(model).__name__}")
+    if len(model) == 0:
+        raise ValueError("the model has no layers to profile")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    where = _model_device(model) if device is None else torch.device(device)
+    if device is not None:
+        model.to(where)
+    inputs = tensors_of(sample_input)
+    if not inputs or inputs[0].dim() == 0:
+        raise ValueError(
+            "the sample input must be a tensor (or a tuple of tensors) whose first dimension "
+            f"is the batch, got {type(sample_input).__name__}"
+        )
+    batch_size = int(inputs[0].shape[0])
+    if batch_size < 1:
+        raise ValueError("the sample input's batch (dimension 0) is empty")
+    value = _map(sample_input, lambda t: t.to(where))
+    names, counts = layer_signature(model)
+    state_factor = OPTIMIZER_STATE[optimizer]
+    layers = []
+    with _preserved(model, where), torch.enable_grad():
+        model.train()
+        flags = [t.requires_grad for t in tensors_of(value)]
+        for index, (name, count, layer) in enumerate(zip(names, counts, model, strict=True)):
+            try:
+                forward, backward, output = _time_layer(layer, value, flags, where, warmup, repeats)
+            except Exception as error:
+                raise ValueError(
+                    f"layer {index} ({name}) failed on an input of {describe(value)}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            params = list(layer.parameters())
+            param_bytes = sum(p.numel() * p.element_size() for p in params)
+            trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            layers.append(
+                LayerCost(
+                    name=name,
+                    forward=forward,
+                    backward=backward,
+                    activation_bytes=nbytes(output),
+                    param_count=count,
+                    param_bytes=param_bytes,
+                    optimizer_state_bytes=state_factor * trained,
+                )
+            )
+            flags = [t.requires_grad for t in tensors_of(output)]
+            value = _map(output, lambda t: t.detach())
+    return Profile(
+        device=device_name(where),
+        batch_size=batch_size,
+        layers=layers,
+        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+    )
