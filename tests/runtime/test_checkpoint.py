@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +62,8 @@ def test_consolidate_gives_the_plain_model(tmp_path):
 def test_checkpoint_of_another_model_names_the_keys(tmp_path):
     pipeline(mlp(), [6, 6]).save(tmp_path)
     other = nn.Sequential(*mlp(), nn.Linear(5, 5))
-    with pytest.raises(ValueError, match=r"another model: stage 1 needs \['12.bias', '12.weight'\]"):
+    needs = r"another model: stage 1 needs \['12.bias', '12.weight'\]"
+    with pytest.raises(ValueError, match=needs):
         pipeline(other, [6, 7], checkpoint_dir=tmp_path)
 
 
@@ -72,7 +72,8 @@ def test_only_complete_checkpoints_are_kept_and_named(tmp_path):
     assert pipe.step == 0 and checkpointing.latest(tmp_path) is None
     for x, y in DATA[:4]:
         pipe.train_step(x, y)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["latest", "step-00000003", "step-00000004"]
     manifest = json.loads((tmp_path / "step-00000004" / "manifest.json").read_text())
     assert manifest["step"] == 4 and manifest["stages"] == 2
 
