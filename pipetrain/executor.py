@@ -66,6 +66,8 @@ class Executor:
         self.compute_time = 0.0  # seconds of forward and backward work in the last run
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
+        backwards = [i for i, a in enumerate(self.actions) if a.kind is Kind.BACKWARD]
+        self._last_backward = backwards[-1] if backwards else -1
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
@@ -86,6 +88,9 @@ class Executor:
             for position, action in enumerate(self.actions):
                 self._position = position
                 self._prefetch()
+                if position == self._last_backward:
+                    for sync in self.stage.syncs:  # reduce gradients as this backward makes them
+                        sync.arm()
                 start = time.perf_counter()
                 outgoing = getattr(self, "_do_" + action.kind.name.lower())(action)
                 end = time.perf_counter()
@@ -222,6 +227,8 @@ class Executor:
 
     def _do_step(self, action: Action) -> None:
         self._finish_sends()
+        for sync in self.stage.syncs:
+            sync.finish()
         self.stage.step()
 
     # -- sends ------------------------------------------------------------------------------

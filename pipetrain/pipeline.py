@@ -24,9 +24,11 @@ from torch import nn
 from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.batchnorm import DeferredBatchNorm
+from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
+from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
 from pipetrain.progress import Progress, logger, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
@@ -76,8 +78,11 @@ class Pipeline:
     for a bar); ``metrics`` holds them after every step on every rank.
     ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
     steps are done), and with ``checkpoint_every=N`` saves one every N steps.
-    Without ``devices`` this process is one stage of a torchrun job (stage = rank in ``group``);
-    with ``devices`` every stage runs here, stage s on ``devices[s]``.
+    Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
+    ranks (replicas default to world size / stages): replica k's stage s is rank
+    k * stages + s, and each stage's replicas average their gradients before every optimizer
+    step. With ``devices`` every stage runs here, stage s on ``devices[s]``. Weights shared by
+    layers on different stages stay identical: their gradients are summed across those stages.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class Pipeline:
         optimizer: OptimizerFactory | None = None,
         devices: Sequence[str | torch.device] | None = None,
         group: dist.ProcessGroup | None = None,
+        replicas: int | None = None,
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
@@ -122,6 +128,7 @@ class Pipeline:
         if deferred_batch_norm:
             model = cast(nn.Sequential, DeferredBatchNorm.convert(model, chunks))
         parts = split(model, balance)
+        ties = tied_parameters(model, balance)
         self.balance = list(balance)
         self.chunks, self.timeout = chunks, timeout
         self.schedule = build(schedule, len(parts), chunks)
@@ -129,10 +136,11 @@ class Pipeline:
         self._evaluation = forward_only(self.schedule)
         self._failed: str | None = None
 
-        def make_stage(s: int, device: torch.device) -> Stage:
+        def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
             offset, module = parts[s]
             return Stage(
-                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint, track_memory
+                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
+                track_memory, owned_elsewhere,
             )
 
         if devices is not None:
@@ -142,15 +150,31 @@ class Pipeline:
                     "device per entry of balance"
                 )
             hub = LocalHub([torch.device(d) for d in devices])
-            self.stages = [make_stage(s, hub.devices[s]) for s in range(len(parts))]
+            for _, stages in ties:
+                if len({hub.devices[s] for s in stages}) > 1:
+                    raise ValueError(
+                        f"stages {list(stages)} share a weight but sit on different devices; "
+                        "put them on one device or untie the weight"
+                    )
+            # A shared weight is one tensor here: the first stage using it steps it.
+            elsewhere = [
+                frozenset(id(p) for p, stages in ties if s in stages and s != stages[0])
+                for s in range(len(parts))
+            ]
+            self.stages = [
+                make_stage(s, hub.devices[s], elsewhere[s]) for s in range(len(parts))
+            ]
             self.transports: list[Transport] = [hub.endpoint(s) for s in range(len(parts))]
             self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(len(parts))
             self.stage = None
         else:
             self._threads = None
-            self.stage, ranks, p2p = _join(group, len(parts), timeout)
+            self.placement = join(group, len(parts), replicas, [s for _, s in ties], timeout)
+            self.stage = self.placement.stage
+            ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group
             device = local_device()
             self.stages = [make_stage(self.stage, device)]
+            self.stages[0].syncs = _gradient_syncs(self.stages[0], self.placement, ties, timeout)
             self.transports = [DistributedTransport(p2p, ranks, device)]
             self._ranks, self._group = ranks, p2p
         self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
@@ -215,7 +239,10 @@ class Pipeline:
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
-        every rank calls it. A crash during the save leaves the previous one whole."""
+        every rank calls it (the first replica writes). A crash during the save leaves the
+        previous one whole."""
+        if self._threads is None and self.placement.replica > 0:
+            return Path(folder)  # replicas hold the same state as the first
         return checkpointing.save(
             folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages
         )
@@ -231,7 +258,7 @@ class Pipeline:
 
     @property
     def _coordinator(self) -> bool:
-        return self._threads is not None or dist.get_rank() == self._ranks[0]
+        return self._threads is not None or self.placement.is_coordinator
 
     def _barrier(self) -> None:
         if self._threads is None:
@@ -333,27 +360,30 @@ class Pipeline:
         work = dist.broadcast(value, self._ranks[-1], group=self._group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
+            if self.placement.replica_group is not None:  # the mean over every replica's batch
+                dist.all_reduce(value, group=self.placement.replica_group)
+                value /= self.placement.replicas
         except RuntimeError as error:
             assert isinstance(self.transports[0], DistributedTransport)
             self.transports[0].raise_failure(error)
         return float(value)
 
 
-def _join(
-    group: dist.ProcessGroup | None, stages: int, timeout: float
-) -> tuple[int, list[int], dist.ProcessGroup]:
-    """This process's stage, the global rank of every stage, and a process group of its own
-    for the pipeline's messages (so aborting it leaves the user's groups alone)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "no process group: call pipetrain.init_distributed() under torchrun, or pass "
-            "devices=[...] to run every stage in this process"
-        )
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    if len(ranks) != stages:
-        raise ValueError(
-            f"world size {len(ranks)} does not match the {stages} stages of balance; launch "
-            f"with `torchrun --nproc_per_node={stages}` or give balance {len(ranks)} entries"
-        )
-    p2p = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
-    return ranks.index(dist.get_rank()), ranks, p2p
+
+def _gradient_syncs(
+    stage: Stage, placement: Placement, ties: list[tuple[nn.Parameter, tuple[int, ...]]],
+    timeout: float,
+) -> list[GradientSync]:
+    """All-reduces before each optimizer step: one per set of stages sharing weights (summed
+    over those stages, averaged over replicas), one over replicas for the rest."""
+    scale = 1.0 / placement.replicas
+    mine = {id(p) for p in stage.module.parameters()}
+    syncs = []
+    for stage_set, group in placement.tie_groups.items():
+        shared = [p for p, stages in ties if stages == stage_set and id(p) in mine]
+        syncs.append(GradientSync(shared, group, scale, timeout))
+    tied = {id(p) for p, _ in ties}
+    rest = [p for p in stage.module.parameters() if p.requires_grad and id(p) not in tied]
+    if placement.replica_group is not None and rest:
+        syncs.append(GradientSync(rest, placement.replica_group, scale, timeout))
+    return syncs

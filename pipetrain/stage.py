@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from pipetrain.batchnorm import gathering_statistics
+from pipetrain.data_parallel import GradientSync
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
 
@@ -55,6 +56,7 @@ class Stage:
         loss_fn: LossFn | None,
         checkpoint: str,
         track_memory: bool = False,
+        owned_elsewhere: frozenset[int] = frozenset(),
     ):
         self.module = module.to(device)
         self.index, self.count, self.offset = index, count, offset
@@ -62,8 +64,12 @@ class Stage:
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
         checkpoint_stop(checkpoint, 1)  # reject an unknown mode now, not at the first step
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        # A weight tied to a layer of another stage in this process is stepped by that stage.
+        params = [
+            p for p in self.module.parameters() if p.requires_grad and id(p) not in owned_elsewhere
+        ]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.syncs: list[GradientSync] = []  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
         self.losses: dict[int, torch.Tensor] = {}

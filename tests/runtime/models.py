@@ -77,3 +77,28 @@ def reference(model: nn.Sequential, data, optimizer=sgd) -> tuple[dict, list[flo
         opt.step()
         losses.append(loss.item())
     return model.state_dict(), losses
+
+
+class MeanTokens(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def tied_model(vocab: int = 10, width: int = 12, seed: int = 0) -> nn.Sequential:
+    """Token embedding whose weight is also the output head's (as in language models)."""
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(vocab, width)
+    head = nn.Linear(width, vocab, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(
+        embedding, MeanTokens(), nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU(), head
+    )
+
+
+def token_batches(steps: int, batch: int = 24, length: int = 5, vocab: int = 10, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, vocab, (batch, length), generator=g),
+         torch.randint(0, vocab, (batch,), generator=g))
+        for _ in range(steps)
+    ]

@@ -1,0 +1,112 @@
+"""Summing gradients across ranks: data-parallel replicas of a stage, and tied weights.
+
+``GradientSync`` all-reduces a set of parameters' gradients over one process group. It is armed
+just before a stage's last backward of the mini-batch: from then on each parameter's
+post-accumulate hook marks it done, and each bucket's all-reduce starts the moment its last
+parameter is done, so communication overlaps the rest of the backward. ``finish`` (before the
+optimizer step) launches what is left, waits, and scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.errors import PeerError
+
+BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
+
+
+class GradientSync:
+    """All-reduce (sum, then multiply by ``scale``) the gradients of ``params`` over ``group``."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: dist.ProcessGroup,
+        scale: float,
+        timeout: float,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
+        self.group, self.scale, self.timeout = group, scale, timeout
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes
+        for p in reversed(list(params)):  # backward produces the last layers' gradients first
+            if size + p.numel() * p.element_size() > bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self._armed = False
+        self._pending: list[int] = []  # parameters still to come, per bucket
+        self._launched: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def arm(self) -> None:
+        """The next backward is the last of the mini-batch: reduce buckets as they complete."""
+        self._armed = True
+        self._pending = [len(bucket) for bucket in self.buckets]
+        self._launched = {}
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        k = self._bucket_of[id(param)]
+        self._pending[k] -= 1
+        if self._pending[k] == 0:
+            self._launch(k)
+
+    def _launch(self, k: int) -> None:
+        grads = [
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[k]
+        ]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        assert work is not None
+        self._launched[k] = (work, flat)
+
+    def finish(self) -> None:
+        """Reduce whatever has not been launched yet, wait for all, write the results back."""
+        if not self._armed:
+            self.arm()  # no backward ran (e.g. a stage without gradients this step)
+        for k in range(len(self.buckets)):
+            if k not in self._launched:
+                self._launch(k)
+        for k, (work, flat) in sorted(self._launched.items()):
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+            except RuntimeError as error:
+                raise PeerError(
+                    f"gradient all-reduce failed ({error}); a rank holding another copy of "
+                    "these parameters failed or died"
+                ) from error
+            flat.mul_(self.scale)
+            offset = 0
+            for p in self.buckets[k]:
+                n = p.numel()
+                result = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = result.clone()
+                else:
+                    p.grad.copy_(result)
+                offset += n
+        self._armed = False
+
+
+def tied_parameters(
+    model: nn.Sequential, balance: Sequence[int]
+) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+    """Parameters shared by layers on different stages, each with the stages that use it."""
+    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    stage_of = {i: s for s in range(len(balance)) for i in range(bounds[s], bounds[s + 1])}
+    users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for i, layer in enumerate(model):
+        for p in layer.parameters():
+            users.setdefault(id(p), (p, set()))[1].add(stage_of[i])
+    return [(p, tuple(sorted(stages))) for p, stages in users.values() if len(stages) > 1]
