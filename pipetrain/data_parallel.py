@@ -4,7 +4,9 @@
 just before a stage's last backward of the mini-batch: from then on each parameter's
 post-accumulate hook marks it done, and each bucket's all-reduce starts the moment its last
 parameter is done, so communication overlaps the rest of the backward. ``finish`` (before the
-optimizer step) launches what is left, waits, and scales.
+optimizer step) launches what is left, waits, and scales. Each parameter's ``.grad`` is a view
+into its bucket's flat buffer, so autograd accumulates straight into what is reduced: no copies
+in or out (the stage zeroes these gradients in place instead of dropping them).
 """
 
 from __future__ import annotations
@@ -42,11 +44,23 @@ class GradientSync:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self.flats = [self._bind(bucket) for bucket in self.buckets]
         self._armed = False
         self._pending: list[int] = []  # parameters still to come, per bucket
         self._launched: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    @staticmethod
+    def _bind(bucket: list[nn.Parameter]) -> torch.Tensor:
+        """One zeroed buffer for the bucket; every parameter's gradient becomes a view of it."""
+        flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                           device=bucket[0].device)
+        offset = 0
+        for p in bucket:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return flat
 
     def arm(self) -> None:
         """The next backward is the last of the mini-batch: reduce buckets as they complete."""
@@ -63,13 +77,16 @@ class GradientSync:
             self._launch(k)
 
     def _launch(self, k: int) -> None:
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[k]
-        ]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        storage = self.flats[k].untyped_storage().data_ptr()
+        for p in self.buckets[k]:
+            if p.grad is None or p.grad.untyped_storage().data_ptr() != storage:
+                raise RuntimeError(
+                    "a synchronised parameter's gradient was dropped (zero_grad(set_to_none="
+                    "True) or a replaced .grad); its bucket view is gone"
+                )
+        work = dist.all_reduce(self.flats[k], group=self.group, async_op=True)
         assert work is not None
-        self._launched[k] = (work, flat)
+        self._launched[k] = (work, self.flats[k])
 
     def finish(self) -> None:
         """Reduce whatever has not been launched yet, wait for all, write the results back."""
@@ -78,7 +95,7 @@ class GradientSync:
         for k in range(len(self.buckets)):
             if k not in self._launched:
                 self._launch(k)
-        for k, (work, flat) in sorted(self._launched.items()):
+        for work, flat in self._launched.values():
             try:
                 work.wait(timeout=timedelta(seconds=self.timeout))
             except RuntimeError as error:
@@ -86,16 +103,8 @@ class GradientSync:
                     f"gradient all-reduce failed ({error}); a rank holding another copy of "
                     "these parameters failed or died"
                 ) from error
-            flat.mul_(self.scale)
-            offset = 0
-            for p in self.buckets[k]:
-                n = p.numel()
-                result = flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = result.clone()
-                else:
-                    p.grad.copy_(result)
-                offset += n
+            if self.scale != 1.0:
+                flat.mul_(self.scale)
         self._armed = False
 
 

@@ -178,10 +178,11 @@ class Stage:
 
     def zero_grad(self) -> None:
         self.losses.clear()
+        keep = bool(self.syncs)  # synchronised gradients are views into all-reduce buckets
         if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not keep)
         else:
-            self.module.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=not keep)
 
     def step(self) -> None:
         if self._stash:
