@@ -1,12 +1,30 @@
-"""The one representation of a pipeline schedule: per stage, an ordered list of actions.
+"""The one representation of a pipeline schedule: per rank, an ordered list of actions.
 
 The generators build it, the validator checks it, the simulator times it and the runtime executes
 it. Nothing else encodes the order of work.
+
+Stages and ranks. The model is cut into ``stages`` consecutive pieces; stage s feeds stage s+1.
+A schedule places every stage on a rank (a device/process): ``placement[s]`` is the rank of
+stage s. By default the placement is the identity (rank s runs stage s), and then "rank" and
+"stage" are the same number everywhere. Interleaved schedules put several stages (virtual
+stages, model chunks) on one rank; ``actions`` is keyed by rank and lists the work of all its
+stages in the order the rank does it.
+
+Messages. Only hand-offs between stages on *different* ranks are messages: stage s sends its
+activation to s+1 (SEND_ACT on s's rank, RECV_ACT on s+1's) and s+1 sends the gradient back
+(SEND_GRAD, RECV_GRAD). When s and s+1 share a rank the lists hold no SEND/RECV for that
+boundary at all: the rank's list has F(s, i) before F(s+1, i) and B(s+1, i) before B(s, i), and
+the executor hands the tensor over in memory.
+
+Backward split. A schedule either does each stage's whole backward in one B action, or splits it
+(zero-bubble schedules): B then computes only the gradient of the stage's input (what the
+previous stage waits for) and a later W action computes the weight gradients. A schedule with
+any W has one W per stage and micro-batch, after that micro-batch's B on that stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -14,7 +32,8 @@ class Kind(str, Enum):
     """What an action does. Communication kinds name the tensor that crosses the link."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward, or only the input gradient when the schedule has W
+    WEIGHT = "W"  # the weight gradients of a micro-batch whose B is done (split backward only)
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -22,7 +41,7 @@ class Kind(str, Enum):
     STEP = "STEP"
 
 
-COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 
@@ -37,7 +56,9 @@ class Action:
 
     @property
     def peer(self) -> int | None:
-        """The stage at the other end of a communication action, else None."""
+        """The *stage* at the other end of a communication action, else None. The rank to
+        talk to is ``schedule.rank_of(action.peer)`` (the same number under the identity
+        placement)."""
         if self.kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
             return self.stage + 1
         if self.kind in (Kind.RECV_ACT, Kind.SEND_GRAD):
@@ -64,20 +85,66 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Ordered actions of every stage for one mini-batch of ``microbatches`` micro-batches."""
+    """Ordered actions of every rank for one mini-batch of ``microbatches`` micro-batches.
+
+    ``placement[s]`` is the rank that runs stage s; leave it out for one stage per rank (it
+    becomes the identity). ``actions[r]`` is rank r's list; it ends with one STEP per stage the
+    rank holds (``Action(STEP, s)``, in ascending stage order).
+    """
 
     name: str
     stages: int
     microbatches: int
     actions: dict[int, tuple[Action, ...]]
+    placement: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if sorted(self.actions) != list(range(self.stages)):
+        if not self.placement:
+            object.__setattr__(self, "placement", tuple(range(self.stages)))
+        placement = tuple(self.placement)
+        object.__setattr__(self, "placement", placement)
+        if len(placement) != self.stages:
             raise ValueError(
-                f"schedule {self.name!r} must list actions for stages 0..{self.stages - 1}, "
-                f"got stages {sorted(self.actions)}"
+                f"schedule {self.name!r} places {len(placement)} stages but has {self.stages}"
+            )
+        ranks = max(placement, default=-1) + 1
+        if idle := sorted(set(range(ranks)) - set(placement)):
+            raise ValueError(f"schedule {self.name!r} places no stage on rank {idle[0]}")
+        if sorted(self.actions) != list(range(ranks)):
+            what = "stages" if self.one_stage_per_rank else "ranks"
+            raise ValueError(
+                f"schedule {self.name!r} must list actions for {what} 0..{ranks - 1}, "
+                f"got {what} {sorted(self.actions)}"
             )
 
-    def compute(self, stage: int) -> list[Action]:
-        """The stage's forward and backward actions in order (communication left out)."""
-        return [a for a in self.actions[stage] if a.kind in COMPUTE]
+    @property
+    def ranks(self) -> int:
+        """How many ranks (devices) run the schedule."""
+        return max(self.placement, default=-1) + 1
+
+    @property
+    def one_stage_per_rank(self) -> bool:
+        """True under the identity placement: rank s runs stage s and nothing else."""
+        return self.placement == tuple(range(self.stages))
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when the schedule has W actions: its B then computes input gradients only."""
+        return any(a.kind is Kind.WEIGHT for ops in self.actions.values() for a in ops)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs ``stage``."""
+        return self.placement[stage]
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, ascending."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def local(self, stage: int, other: int) -> bool:
+        """Whether the hand-off between two stages stays on one rank (no message)."""
+        return self.placement[stage] == self.placement[other]
+
+    def compute(self, rank: int) -> list[Action]:
+        """The rank's forward, backward and weight actions in order (communication left
+        out); under the identity placement, ``rank`` is the stage."""
+        return [a for a in self.actions[rank] if a.kind in COMPUTE]

@@ -3,7 +3,9 @@
 Communication is placed so that the schedule is deadlock-free even when every send blocks until
 its receive is posted (the validator checks this): on each link, both ends list their messages in
 the same order. The runtime may post a send earlier than listed (as soon as its tensor exists),
-which can only remove waiting, never add a deadlock.
+which can only remove waiting, never add a deadlock. GPipe and 1F1B place their messages by
+hand; the interleaved and zero-bubble generators state only each rank's compute order and let
+:func:`schedules.messages.with_messages` place the messages.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedules.action import Action, Kind, Schedule
+from schedules.messages import with_messages
 
 
 def _forward(stage: int, stages: int, mb: int) -> list[Action]:
@@ -81,18 +84,202 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return Schedule("1f1b", stages, microbatches, actions)
 
 
+# -- interleaved 1F1B ---------------------------------------------------------------------------
+
+
+def _interleaved_order(rank: int, ranks: int, microbatches: int, chunks: int) -> list[Action]:
+    """Megatron-LM's order of one rank's forwards and backwards.
+
+    The k-th forward of a rank runs micro-batch ``(k // (p*v)) * p + k % p`` through chunk
+    ``(k // p) % v``: groups of p micro-batches go through chunk 0, then the same group through
+    chunk 1, and so on. The k-th backward is the same with the chunks taken in reverse. The rank
+    warms up with ``(p - rank - 1) * 2 + (v - 1) * p`` forwards (all of them if there are fewer),
+    then alternates one forward with one backward, then drains the backwards.
+    """
+    p, v = ranks, chunks
+    total = microbatches * v
+
+    def item(kind: Kind, k: int) -> Action:
+        chunk = (k // p) % v
+        if kind is Kind.BACKWARD:
+            chunk = v - 1 - chunk
+        return Action(kind, chunk * p + rank, (k // (p * v)) * p + k % p)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [item(Kind.FORWARD, k) for k in range(warmup)]
+    for j in range(total - warmup):
+        order += [item(Kind.FORWARD, warmup + j), item(Kind.BACKWARD, j)]
+    order += [item(Kind.BACKWARD, j) for j in range(total - warmup, total)]
+    return order
+
+
+def interleaved(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): each of p ranks holds v model
+    chunks, stage ``c * p + r`` on rank r, so the pipeline has p*v stages and wraps from rank
+    p-1 back to rank 0 between chunks.
+
+    With per-chunk forward and backward times f and b, a rank idles (p-1)(f+b) per mini-batch,
+    against 1F1B's (p-1)(v f + v b) for the same model cut into p stages: v times less bubble,
+    paid for with v times more messages. Like Megatron, it needs the micro-batch count to be a
+    multiple of the rank count, and it warms up with p-r-1 more forwards than the bubble needs:
+    they hide a message round trip (with slow links the schedule stays near its zero-transfer
+    time) at the cost of memory; rank r holds up to min(m v, 2(p-r-1) + (v-1)p + 1)
+    micro-batch-chunks. With one chunk per rank this is 1F1B with that longer warm-up.
+    """
+    _check(ranks, microbatches)
+    if chunks_per_rank < 1:
+        raise ValueError(
+            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
+        )
+    if microbatches % ranks:
+        lower = microbatches // ranks * ranks
+        fix = f"{lower} or {lower + ranks}" if lower else f"{ranks}"
+        raise ValueError(
+            "interleaved 1F1B needs the number of micro-batches to be a multiple of the number "
+            f"of ranks (as in Megatron-LM): got microbatches={microbatches} with ranks={ranks}; "
+            f"use {fix} micro-batches"
+        )
+    stages = ranks * chunks_per_rank
+    placement = tuple(s % ranks for s in range(stages))
+    compute = {
+        r: _interleaved_order(r, ranks, microbatches, chunks_per_rank) for r in range(ranks)
+    }
+    actions = with_messages(stages, placement, compute)
+    return Schedule("interleaved", stages, microbatches, actions, placement)
+
+
+# -- zero bubble (Qi et al. 2023) ---------------------------------------------------------------
+
+
+def _split_backward_order(stage: int, microbatches: int, warmup: int, delay: int) -> list[Action]:
+    """A stage's compute order with the backward split into B and W.
+
+    The stage forwards ``warmup`` micro-batches, then for each micro-batch j in turn: B(j), the
+    W of micro-batch ``j - delay`` (none while j < delay), and the next forward if any is left;
+    then the W's still owed. Delaying W keeps the B's, which the previous stage waits for, close
+    together, and leaves the W's to fill what would otherwise be bubbles. A stage holds at most
+    ``warmup`` micro-batches' full activations and ``warmup + delay`` micro-batches whose W is
+    not done (both at most m).
+    """
+    m = microbatches
+    warmup = min(warmup, m)
+    order = [Action(Kind.FORWARD, stage, i) for i in range(warmup)]
+    for j in range(m):
+        order.append(Action(Kind.BACKWARD, stage, j))
+        if j >= delay:
+            order.append(Action(Kind.WEIGHT, stage, j - delay))
+        if warmup + j < m:
+            order.append(Action(Kind.FORWARD, stage, warmup + j))
+    order += [Action(Kind.WEIGHT, stage, i) for i in range(max(m - delay, 0), m)]
+    return order
+
+
+def _split_backward(
+    name: str,
+    stages: int,
+    microbatches: int,
+    warmup: Callable[[int], int],
+    delay: Callable[[int], int],
+) -> Schedule:
+    """The schedule whose stage s runs ``_split_backward_order`` with ``warmup(s)`` and
+    ``delay(s)``, one stage per rank."""
+    compute = {
+        s: _split_backward_order(s, microbatches, warmup(s), delay(s)) for s in range(stages)
+    }
+    actions = with_messages(stages, range(stages), compute)
+    return Schedule(name, stages, microbatches, actions)
+
+
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B's order of forwards
+    and input-gradient backwards (B), with stage s delaying its weight-gradient passes (W) by s
+    micro-batches.
+
+    Stage s holds at most min(m, p-s) micro-batches' full activations, as in 1F1B, plus up to s
+    whose W is pending (B frees all but what W needs). With uniform stages, free transfers,
+    forward, input-gradient and weight times f, b, w and m >= p, every stage idles
+    (p-1)(f+b-w) when w <= min(f, b) (in general (p-1) max(f, b, f+b-w)), against 1F1B's
+    (p-1)(f+b+w): a third of it when f = b = w.
+    """
+    _check(stages, microbatches)
+    return _split_backward(
+        "zb-h1", stages, microbatches, warmup=lambda s: stages - s, delay=lambda s: s
+    )
+
+
+def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2023): stage s warms up with 2(p-s)-1 forwards, filling the bubble
+    before its first backward, and delays its W's by 2s micro-batches, so that in the drain the
+    B's run back to back and the W's fill the rest.
+
+    With uniform stages, free transfers, f = b = w and m >= 2p-1, every stage computes without
+    a gap from its first forward (at s*f) to its last W: the stages' busy spans form a
+    parallelogram, so the step takes m(f+b+w) + (p-1)f, the least any schedule can, and
+    consecutive mini-batches could overlap with no bubble at all. The price is memory: stage s
+    holds up to min(m, 2(p-s)-1) full activations and min(m, 2p-1) micro-batches whose W is
+    pending.
+    """
+    _check(stages, microbatches)
+    return _split_backward(
+        "zb-h2",
+        stages,
+        microbatches,
+        warmup=lambda s: 2 * (stages - s) - 1,
+        delay=lambda s: 2 * s,
+    )
+
+
+# -- by name ------------------------------------------------------------------------------------
+
+# name -> generator of (stages, microbatches); "interleaved" takes (ranks, microbatches) and puts
+# two chunks on each rank unless told otherwise: call it through build(..., ranks=...).
 GENERATORS: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zero_bubble_h1,
+    "zb-h2": zero_bubble_h2,
 }
 
+# schedules that place several stages on one rank: build() needs ranks= for them
+MULTI_STAGE_PER_RANK = frozenset({"interleaved"})
 
-def build(name: str, stages: int, microbatches: int) -> Schedule:
-    """The schedule called ``name`` for ``stages`` stages and ``microbatches`` micro-batches."""
+
+def build(name: str, stages: int, microbatches: int, *, ranks: int | None = None) -> Schedule:
+    """The schedule called ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
+
+    ``ranks`` is the number of devices. Schedules with one stage per rank need none (or
+    ``ranks=stages``); "interleaved" needs it and puts ``stages // ranks`` chunks on each rank,
+    e.g. ``build("interleaved", 8, 16, ranks=4)`` for two chunks on each of four ranks.
+    """
     try:
         generator = GENERATORS[name]
     except KeyError:
         raise ValueError(
             f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}"
         ) from None
+    if name in MULTI_STAGE_PER_RANK:
+        return interleaved(*_chunks(name, stages, microbatches, ranks))
+    if ranks is not None and ranks != stages:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per rank, so ranks must equal stages "
+            f"(got ranks={ranks}, stages={stages}); 'interleaved' puts several stages on a rank"
+        )
     return generator(stages, microbatches)
+
+
+def _chunks(name: str, stages: int, microbatches: int, ranks: int | None) -> tuple[int, int, int]:
+    """(ranks, microbatches, chunks per rank) for a schedule with several stages per rank."""
+    if ranks is None:
+        raise ValueError(
+            f"schedule {name!r} needs ranks=: stages = ranks x chunks per rank, e.g. "
+            f"build({name!r}, 8, {microbatches}, ranks=4) for 2 chunks on each of 4 ranks"
+        )
+    if ranks < 1:
+        raise ValueError(f"a pipeline needs at least one rank, got ranks={ranks}")
+    if stages < ranks or stages % ranks:
+        raise ValueError(
+            f"schedule {name!r} puts the same number of stages on every rank: stages={stages} "
+            f"is not a positive multiple of ranks={ranks}"
+        )
+    return ranks, microbatches, stages // ranks

@@ -1,8 +1,17 @@
 """Time a schedule from per-stage costs: step time, bubble fraction, activation memory.
 
-The model is the runtime's: a stage runs its actions in order; a send costs the sender nothing and
-leaves as soon as the compute that produced its tensor ends; a receive waits until the message
-has crossed its link (``transfer`` seconds after it left).
+The model is the runtime's: a rank runs its actions in order, one at a time; a send costs the
+sender nothing and leaves as soon as the compute that produced its tensor ends; a receive waits
+until the message has crossed its link (``transfer`` seconds after it left). A hand-off between
+two stages on the same rank is no message and costs nothing: the list order already puts the
+producer first.
+
+Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
+stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
+W actions its B frees them. With W, B (input gradient) frees all but what W needs, and W frees
+the rest (Qi et al. 2023, Table 1), so two counts are kept: ``peak_inflight`` counts micro-batches
+forwarded whose activations are not all freed yet (not yet W'd; not yet B'd without W) and is
+the safe bound; ``peak_full`` counts those still holding all their activations (not yet B'd).
 """
 
 from __future__ import annotations
@@ -19,24 +28,27 @@ from schedules.validate import validate
 
 @dataclass(frozen=True)
 class Simulation:
-    """What a schedule costs: times in the units of the inputs."""
+    """What a schedule costs, per rank (= per stage under the identity placement); times in
+    the units of the inputs."""
 
     step_time: float
-    busy: tuple[float, ...]  # compute time of each stage
-    peak_inflight: tuple[int, ...]  # most micro-batches whose activations a stage holds at once
-    finish: tuple[float, ...]  # when each stage's last action ends
+    busy: tuple[float, ...]  # compute time (F, B, W) of each rank
+    peak_inflight: tuple[int, ...]  # most micro-batches whose activations a rank holds at once
+    finish: tuple[float, ...]  # when each rank's last action ends
     timeline: tuple[Span, ...] = ()  # every compute, step and receive wait, as it would run
+    peak_full: tuple[int, ...] = ()  # most micro-batches holding all their activations (pre-B)
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-time not spent on forward or backward work (optimizer steps count
-        as bubble): 1 - sum(busy) / (stages * step_time)."""
+        """Share of rank-time not spent on forward, backward or weight work (optimizer steps
+        count as bubble): 1 - sum(busy) / (ranks * step_time)."""
         if self.step_time == 0:
             return 0.0
         return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
 
     def stage_bubble(self, stage: int) -> float:
-        """Share of the step that ``stage`` spends outside forward and backward work."""
+        """Share of the step that rank ``stage`` spends outside compute (under the identity
+        placement the rank is the stage)."""
         return 1.0 - self.busy[stage] / self.step_time if self.step_time else 0.0
 
 
@@ -49,56 +61,101 @@ def _per_stage(value: float | Sequence[float], n: int, what: str) -> list[float]
     return values
 
 
+def _compute_costs(
+    schedule: Schedule,
+    forward: float | Sequence[float],
+    backward: float | Sequence[float],
+    weight: float | Sequence[float] | None,
+    optimizer_step: float | Sequence[float],
+) -> dict[Kind, list[float]]:
+    """Per-stage cost of each compute kind. ``backward`` + ``weight`` is a stage's whole
+    backward: a schedule with W spends them in B and W; one without spends their sum in B."""
+    p = schedule.stages
+    fwd = _per_stage(forward, p, "forward")
+    bwd = _per_stage(backward, p, "backward")
+    step = _per_stage(optimizer_step, p, "optimizer_step")
+    if weight is None:
+        if schedule.splits_backward:
+            raise ValueError(
+                f"schedule {schedule.name!r} splits the backward into B (input gradient) and W "
+                "(weight gradient): pass weight= (the W time per stage); backward= is then "
+                "the B time only"
+            )
+        wgt = [0.0] * p
+    else:
+        wgt = _per_stage(weight, p, "weight")
+    if not schedule.splits_backward:
+        bwd = [b + w for b, w in zip(bwd, wgt, strict=True)]
+    return {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT: wgt, Kind.STEP: step}
+
+
+# how each compute changes (micro-batches held, micro-batches holding everything)
+_MEMORY_SPLIT = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (0, -1), Kind.WEIGHT: (-1, 0)}
+_MEMORY_WHOLE = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (-1, -1)}
+
+
 def simulate(
     schedule: Schedule,
     forward: float | Sequence[float],
     backward: float | Sequence[float],
     transfer: float | Sequence[float] = 0.0,
     optimizer_step: float | Sequence[float] = 0.0,
+    *,
+    weight: float | Sequence[float] | None = None,
 ) -> Simulation:
-    """Simulate one mini-batch. ``forward``/``backward``/``optimizer_step`` are per-stage times
-    for one micro-batch (a scalar applies to every stage); ``transfer`` is the time one message
-    takes across the link from stage s to s+1, per link (p-1 values) or one scalar."""
-    p = schedule.stages
-    fwd = _per_stage(forward, p, "forward")
-    bwd = _per_stage(backward, p, "backward")
-    step = _per_stage(optimizer_step, p, "optimizer_step")
+    """Simulate one mini-batch. ``forward``/``backward``/``weight``/``optimizer_step`` are
+    per-stage times for one micro-batch (a scalar applies to every stage); ``transfer`` is the
+    time one message takes across the boundary from stage s to s+1, per boundary (stages-1
+    values; ignored where both stages share a rank) or one scalar.
+
+    ``weight`` is the W (weight-gradient) time, required for schedules with W actions, where
+    ``backward`` is the B (input-gradient) time. For a schedule without W it may still be given
+    (B then costs backward + weight), so that one set of costs times both kinds of schedule.
+    """
+    p, ranks = schedule.stages, schedule.ranks
+    cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
     link = _per_stage(transfer, max(p - 1, 0), "transfer")
     validate(schedule)
+    memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
+    identity = schedule.one_stage_per_rank  # then spans need no rank: it is their stage
 
-    clock = [0.0] * p
-    cursor = [0] * p
+    clock = [0.0] * ranks
+    cursor = [0] * ranks
     produced: dict[Action, float] = {}  # compute action -> end time
     arrival: dict[Action, float] = {}  # receive action -> when its message is there
-    inflight = [0] * p
-    peak = [0] * p
-    busy = [0.0] * p
+    held, full = [0] * ranks, [0] * ranks
+    peak, peak_full = [0] * ranks, [0] * ranks
+    busy = [0.0] * ranks
     spans: list[Span] = []
     pending = sum(len(v) for v in schedule.actions.values())
     while pending:
         moved = False
-        for s in range(p):
-            ops = schedule.actions[s]
-            while cursor[s] < len(ops):
-                a = ops[cursor[s]]
+        for r in range(ranks):
+            ops = schedule.actions[r]
+            where = None if identity else r
+            while cursor[r] < len(ops):
+                a = ops[cursor[r]]
                 if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                     if a not in arrival:
                         break
-                    spans.append(Span(a, clock[s], max(clock[s], arrival[a])))
-                    clock[s] = spans[-1].end
+                    spans.append(Span(a, clock[r], max(clock[r], arrival[a]), where))
+                    clock[r] = spans[-1].end
                 elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                     source = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
-                    hop = link[min(s, a.peer or 0)]
-                    arrival[a.matching()] = produced[Action(source, s, a.microbatch)] + hop
+                    hop = link[min(a.stage, a.peer or 0)]
+                    arrival[a.matching()] = produced[Action(source, a.stage, a.microbatch)] + hop
                 else:
-                    cost = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.STEP: step}[a.kind][s]
-                    spans.append(Span(a, clock[s], clock[s] + cost))
-                    clock[s] += cost
-                    busy[s] += cost if a.kind is not Kind.STEP else 0.0
-                    produced[a] = clock[s]
-                    inflight[s] += {Kind.FORWARD: 1, Kind.BACKWARD: -1}.get(a.kind, 0)
-                    peak[s] = max(peak[s], inflight[s])
-                cursor[s] += 1
+                    took = cost[a.kind][a.stage]
+                    spans.append(Span(a, clock[r], clock[r] + took, where))
+                    clock[r] += took
+                    busy[r] += took if a.kind is not Kind.STEP else 0.0
+                    produced[a] = clock[r]
+                    d_held, d_full = memory.get(a.kind, (0, 0))
+                    held[r] += d_held
+                    full[r] += d_full
+                    peak[r] = max(peak[r], held[r])
+                    peak_full[r] = max(peak_full[r], full[r])
+                cursor[r] += 1
                 pending -= 1
                 moved = True
         if not moved:  # unreachable for a deadlock-free schedule; kept as a guard
@@ -109,4 +166,5 @@ def simulate(
         peak_inflight=tuple(peak),
         finish=tuple(clock),
         timeline=tuple(spans),
+        peak_full=tuple(peak_full),
     )

@@ -3,7 +3,8 @@
 Nothing here reuses the algorithms of ``schedules`` (only its data types): the rendezvous
 executor explores the global state graph, the timing model is a longest-path computation over
 an explicit dependency graph, and random valid schedules are projections of a random global
-execution trace.
+execution trace. All of them also handle several stages per rank (a ``placement`` stage -> rank;
+hand-offs on one rank are no messages) and split backwards (W after B).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from schedules.action import Action, Kind, Schedule
 
-F, B = Kind.FORWARD, Kind.BACKWARD
+F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
 SA, RA, SG, RG = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD
 STEP = Kind.STEP
 COMM = frozenset({SA, RA, SG, RG})
@@ -33,29 +34,37 @@ def step(stage: int) -> Action:
 
 
 def replace_stage(schedule: Schedule, stage: int, ops: Iterable[Action]) -> Schedule:
+    """``schedule`` with the list of rank ``stage`` (the stage, under the identity placement)
+    replaced."""
     actions = dict(schedule.actions)
     actions[stage] = tuple(ops)
-    return Schedule(schedule.name, schedule.stages, schedule.microbatches, actions)
+    return Schedule(
+        schedule.name, schedule.stages, schedule.microbatches, actions, schedule.placement
+    )
 
 
 def local_constraints(ops: Sequence[Action]) -> set[tuple[Action, Action]]:
-    """(x, y) pairs of one stage's actions where x must come before y (the documented rules)."""
+    """(x, y) pairs of one rank's actions where x must come before y (the documented rules):
+    per stage and micro-batch, and between two stages of the rank when they are neighbours
+    (then the rank's list holds their in-memory hand-off)."""
     present = set(ops)
     pairs = set()
     for a in present:
         s, i = a.stage, a.microbatch
         rules = {
-            RA: [F],
-            F: [SA, B],
-            RG: [B],
-            B: [SG],
+            RA: [(F, s)],
+            F: [(SA, s), (B, s), (F, s + 1)],
+            RG: [(B, s)],
+            B: [(SG, s), (W, s), (B, s - 1)],
         }.get(a.kind, [])
-        for kind in rules:
-            other = Action(kind, s, i)
+        for kind, where in rules:
+            other = Action(kind, where, i)
             if other in present:
                 pairs.add((a, other))
-        if a.kind is not STEP and step(s) in present:
-            pairs.add((a, step(s)))
+        if a.kind is not STEP:
+            pairs.update((a, x) for x in present if x.kind is STEP)
+        else:  # a rank's STEPs come in ascending stage order
+            pairs.update((a, x) for x in present if x.kind is STEP and x.stage > s)
     return pairs
 
 
@@ -95,16 +104,37 @@ def respects_local_order(ops: Sequence[Action]) -> bool:
     return all(pos[x] < pos[y] for x, y in local_constraints(ops))
 
 
-def rendezvous_terminal_states(actions: Mapping[int, Sequence[Action]]) -> set[tuple[int, ...]]:
-    """Explore every interleaving of the stages with blocking sends and receives.
+def memory_bounded_order(limit: int, m: int) -> list[tuple[Kind, int]]:
+    """Independent statement of 1F1B: forward while fewer than ``limit`` micro-batches are held
+    (and forwards remain), otherwise backward the oldest one held."""
+    order, nf, nb = [], 0, 0
+    while nb < m:
+        if nf < m and nf - nb < limit:
+            order.append((F, nf))
+            nf += 1
+        else:
+            order.append((B, nb))
+            nb += 1
+    return order
 
-    A state is the tuple of per-stage cursors. A stage whose next action is local moves alone;
-    a send and its receive move together when both are the next actions of their stages.
+
+def rendezvous_terminal_states(
+    actions: Mapping[int, Sequence[Action]], placement: Sequence[int] | None = None
+) -> set[tuple[int, ...]]:
+    """Explore every interleaving of the ranks with blocking sends and receives.
+
+    A state is the tuple of per-rank cursors. A rank whose next action is local moves alone;
+    a send and its receive move together when both are the next actions of their ranks.
+    ``placement[stage]`` is a stage's rank (default: the stage itself).
     Returns every reachable state with no move left.
     """
-    stages = sorted(actions)
-    lists = [list(actions[s]) for s in stages]
-    index = {s: k for k, s in enumerate(stages)}
+    ranks = sorted(actions)
+    lists = [list(actions[r]) for r in ranks]
+    where = list(placement) if placement is not None else None
+
+    def rank_index(stage: int) -> int | None:
+        rank = stage if where is None else (where[stage] if 0 <= stage < len(where) else None)
+        return ranks.index(rank) if rank in ranks else None
 
     def successors(state: tuple[int, ...]) -> list[tuple[int, ...]]:
         out = []
@@ -118,8 +148,8 @@ def rendezvous_terminal_states(actions: Mapping[int, Sequence[Action]]) -> set[t
                 out.append(tuple(nxt))
                 continue
             want = partner(a)
-            j = index.get(want.stage)
-            if j is not None and state[j] < len(lists[j]) and lists[j][state[j]] == want:
+            j = rank_index(want.stage)
+            if j is not None and j != k and state[j] < len(lists[j]) and lists[j][state[j]] == want:
                 nxt = list(state)
                 nxt[k] += 1
                 nxt[j] += 1
@@ -143,8 +173,8 @@ def rendezvous_terminal_states(actions: Mapping[int, Sequence[Action]]) -> set[t
 
 
 def rendezvous_stuck(schedule: Schedule) -> dict[int, tuple[int, Action]]:
-    """Stages left unfinished by the rendezvous execution: stage -> (position, next action)."""
-    terminal = rendezvous_terminal_states(schedule.actions)
+    """Ranks left unfinished by the rendezvous execution: rank -> (position, next action)."""
+    terminal = rendezvous_terminal_states(schedule.actions, schedule.placement)
     assert len(terminal) == 1, f"rendezvous execution is not confluent: {terminal}"
     (state,) = terminal
     return {
@@ -154,32 +184,55 @@ def rendezvous_stuck(schedule: Schedule) -> dict[int, tuple[int, Action]]:
     }
 
 
-def random_valid_schedule(p: int, m: int, rng: random.Random, name: str = "random") -> Schedule:
-    """Project a random global execution (compute, or a send with its receive) onto stages.
+def random_valid_schedule(
+    p: int,
+    m: int,
+    rng: random.Random,
+    name: str = "random",
+    placement: Sequence[int] | None = None,
+    weight: bool = False,
+) -> Schedule:
+    """Project a random global execution (compute, or a send with its receive) onto ranks.
 
-    The trace itself witnesses that the result runs to completion with rendezvous sends.
+    ``placement[stage]`` is the stage's rank (default one stage per rank); between stages on
+    one rank the consumer just needs the producer's compute done, with no message. With
+    ``weight`` every stage also does a W per micro-batch after its B. The trace itself
+    witnesses that the result runs to completion with rendezvous sends.
     """
-    ops: dict[int, list[Action]] = {s: [] for s in range(p)}
+    rank = list(placement) if placement is not None else list(range(p))
+    ops: dict[int, list[Action]] = {r: [] for r in sorted(set(rank))}
     done: set[Action] = set()
+
+    def arrived(kind: Kind, source: int, target: int, i: int) -> bool:
+        """Whether what ``target`` needs from ``source`` for micro-batch i is there."""
+        if rank[source] == rank[target]:
+            return Action(F if kind is RA else B, source, i) in done
+        return Action(kind, target, i) in done
+
     while True:
         events: list[tuple[Action, ...]] = []
         for s in range(p):
             for i in range(m):
-                fwd, bwd = Action(F, s, i), Action(B, s, i)
-                if fwd not in done and (s == 0 or Action(RA, s, i) in done):
+                fwd, bwd, wgt = Action(F, s, i), Action(B, s, i), Action(W, s, i)
+                if fwd not in done and (s == 0 or arrived(RA, s - 1, s, i)):
                     events.append((fwd,))
-                if fwd in done and bwd not in done and (s == p - 1 or Action(RG, s, i) in done):
+                if fwd in done and bwd not in done and (s == p - 1 or arrived(RG, s + 1, s, i)):
                     events.append((bwd,))
-                if s < p - 1 and fwd in done and Action(SA, s, i) not in done:
+                if weight and bwd in done and wgt not in done:
+                    events.append((wgt,))
+                remote_next = s < p - 1 and rank[s] != rank[s + 1]
+                if remote_next and fwd in done and Action(SA, s, i) not in done:
                     events.append((Action(SA, s, i), Action(RA, s + 1, i)))
-                if s > 0 and bwd in done and Action(SG, s, i) not in done:
+                remote_prev = s > 0 and rank[s] != rank[s - 1]
+                if remote_prev and bwd in done and Action(SG, s, i) not in done:
                     events.append((Action(SG, s, i), Action(RG, s - 1, i)))
         if not events:
             break
         for a in rng.choice(events):
             done.add(a)
-            ops[a.stage].append(a)
-    return Schedule(name, p, m, {s: (*ops[s], step(s)) for s in range(p)})
+            ops[rank[a.stage]].append(a)
+    steps = {r: [step(s) for s in range(p) if rank[s] == r] for r in ops}
+    return Schedule(name, p, m, {r: (*ops[r], *steps[r]) for r in ops}, tuple(rank))
 
 
 def longest_path_times(
@@ -188,25 +241,33 @@ def longest_path_times(
     bwd: Sequence[float],
     link: Sequence[float],
     opt: Sequence[float],
+    wgt: Sequence[float] | None = None,
 ) -> dict[tuple[int, int], float]:
-    """Completion time of every (stage, position), by Kahn's algorithm on the dependency graph.
+    """Completion time of every (rank, position), by Kahn's algorithm on the dependency graph.
 
-    Model (documented by the simulator): a stage runs its list in order; compute and STEP take
-    their cost; a send is free and its message leaves when the compute that produced the tensor
-    ends; a receive completes when that message has crossed the link.
+    Model (documented by the simulator): a rank runs its list in order; compute and STEP take
+    their stage's cost (W: ``wgt``); a send is free and its message leaves when the compute that
+    produced the tensor ends; a receive completes when that message has crossed the link. A
+    compute that takes its input from a stage on its own rank waits for that compute (no link).
     """
-    cost = {F: fwd, B: bwd, STEP: opt}
-    where = {a: (s, k) for s, ops in schedule.actions.items() for k, a in enumerate(ops)}
+    cost = {F: fwd, B: bwd, W: wgt or [0.0] * schedule.stages, STEP: opt}
+    where = {a: (r, k) for r, ops in schedule.actions.items() for k, a in enumerate(ops)}
+    rank = schedule.placement
     Node = tuple[int, int]
     preds: dict[Node, list[tuple[Node, float]]] = {n: [] for n in where.values()}
-    for s, k in list(preds):
-        a = schedule.actions[s][k]
+    for r, k in list(preds):
+        a = schedule.actions[r][k]
+        s, i = a.stage, a.microbatch
         if k > 0:
-            preds[(s, k)].append(((s, k - 1), 0.0))
+            preds[(r, k)].append(((r, k - 1), 0.0))
         if a.kind in (RA, RG):
             src_stage = s - 1 if a.kind is RA else s + 1
-            source = Action(F if a.kind is RA else B, src_stage, a.microbatch)
-            preds[(s, k)].append((where[source], link[min(s, src_stage)]))
+            source = Action(F if a.kind is RA else B, src_stage, i)
+            preds[(r, k)].append((where[source], link[min(s, src_stage)]))
+        if a.kind is F and s > 0 and rank[s - 1] == r:
+            preds[(r, k)].append((where[Action(F, s - 1, i)], 0.0))
+        if a.kind is B and s < schedule.stages - 1 and rank[s + 1] == r:
+            preds[(r, k)].append((where[Action(B, s + 1, i)], 0.0))
     succ: dict[Node, list[Node]] = {n: [] for n in preds}
     indeg = {n: len(v) for n, v in preds.items()}
     for n, v in preds.items():
@@ -216,10 +277,10 @@ def longest_path_times(
     queue = deque(n for n, d in indeg.items() if d == 0)
     while queue:
         n = queue.popleft()
-        s, k = n
-        a = schedule.actions[s][k]
+        r, k = n
+        a = schedule.actions[r][k]
         ready = max((time[src] + w for src, w in preds[n]), default=0.0)
-        time[n] = ready + (cost[a.kind][s] if a.kind in cost else 0.0)
+        time[n] = ready + (cost[a.kind][a.stage] if a.kind in cost else 0.0)
         for nxt in succ[n]:
             indeg[nxt] -= 1
             if indeg[nxt] == 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from schedule_oracles import COMM, B, F, rendezvous_stuck
+from schedule_oracles import COMM, B, F, memory_bounded_order, rendezvous_stuck
 
 from schedules import GENERATORS, Action, Kind, build, gpipe, one_f_one_b, validate
 
@@ -73,20 +73,6 @@ def test_gpipe_compute_order_is_all_forwards_then_all_backwards(p):
             assert compute_tokens(schedule, s) == expected
 
 
-def memory_bounded_order(limit, m):
-    """Independent statement of 1F1B: forward while fewer than ``limit`` micro-batches are held
-    (and forwards remain), otherwise backward the oldest one held."""
-    order, nf, nb = [], 0, 0
-    while nb < m:
-        if nf < m and nf - nb < limit:
-            order.append((F, nf))
-            nf += 1
-        else:
-            order.append((B, nb))
-            nb += 1
-    return order
-
-
 @pytest.mark.parametrize("p", STAGES)
 def test_1f1b_compute_order_keeps_at_most_p_minus_s_in_flight(p):
     for m in MICROBATCHES:
@@ -131,7 +117,7 @@ def test_build_dispatches_to_the_named_generator(name):
         assert build(name, p, m) == direct(p, m)
 
 
-@pytest.mark.parametrize("bad", ["GPipe", "pipedream", "", "1F1B", "interleaved"])
+@pytest.mark.parametrize("bad", ["GPipe", "pipedream", "", "1F1B", "Interleaved", "zb-v"])
 def test_unknown_schedule_name_lists_the_choices(bad):
     with pytest.raises(ValueError) as info:
         build(bad, 2, 2)
