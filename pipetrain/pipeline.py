@@ -34,7 +34,9 @@ from pipetrain.progress import Progress, logger, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
-from schedules import Kind, Schedule, build, validate
+from schedules import GENERATORS, Kind, Schedule, build, validate
+
+RUNNABLE = frozenset({"gpipe", "1f1b"})  # schedules the executor runs today
 
 
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
@@ -127,6 +129,11 @@ class Pipeline:
         checkpoint_stop(checkpoint, chunks)
         if deferred_batch_norm:
             model = cast(nn.Sequential, DeferredBatchNorm.convert(model, chunks))
+        if schedule in GENERATORS and schedule not in RUNNABLE:
+            raise ValueError(
+                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
+                f"the runtime does not execute it yet; train with one of {sorted(RUNNABLE)}"
+            )
         parts = split(model, balance)
         ties = tied_parameters(model, balance)
         self.balance = list(balance)
