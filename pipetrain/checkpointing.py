@@ -122,16 +122,25 @@ def save(
         os.replace(partial, final)
         _fsync_dir(root)
         _write_atomically(root / "latest", lambda p: p.write_text(final.name))
-        complete = sorted(p for p in root.glob("step-*") if not p.name.endswith(".partial"))
-        for old in complete[:-KEEP]:  # never the newest, which `latest` now names
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, keep=final)
     barrier()
     return final
 
 
+def _prune(root: Path, keep: Path) -> None:
+    """Remove all but the KEEP most recently saved checkpoints, never ``keep`` (the one
+    ``latest`` names). Save order is the manifests' write order, not the step number: a run
+    restarted from scratch saves small steps after large ones."""
+    complete = [p for p in root.glob("step-*") if (p / "manifest.json").exists()]
+    complete.sort(key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
+    for old in complete[:-KEEP]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def _fresh_name(root: Path, step: int) -> Path:
     """``step-N``, or ``step-N.K`` if a checkpoint of that step exists: an existing checkpoint
-    (perhaps the one ``latest`` names) is never overwritten. Names sort in save order."""
+    (perhaps the one ``latest`` names) is never overwritten."""
     name = root / f"step-{step:08d}"
     again = 1
     while name.exists():

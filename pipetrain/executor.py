@@ -1,4 +1,9 @@
-"""The interpreter: walks one stage's action list for one mini-batch.
+"""The interpreter: walks one rank's action list for one mini-batch.
+
+A rank holds one Stage per stage the schedule places on it and hands each action to the Stage it
+names. A hand-off between two stages of the same rank is no message: the executor passes the
+tensors over in memory exactly as a receive would deliver them (detached, the same gradient
+flags), without copying them.
 
 Each action kind is one small method; a compute method returns the sends its result feeds, and
 the loop posts them. Overlap lives here and only here: a send is posted the moment the compute
@@ -29,7 +34,7 @@ from pipetrain.meta import (
 from pipetrain.stage import Stage
 from pipetrain.trace import Recorder
 from pipetrain.transport import Handle, Transport
-from schedules import Action, Kind
+from schedules import Action, Kind, Schedule
 from schedules.action import COMPUTE, RECVS
 
 Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
@@ -43,38 +48,50 @@ def _peer(action: Action) -> int:
     return peer
 
 
-def tag(action: Action, header: bool = False) -> int:
-    """Message tag of a communication action; tuple members take consecutive tags."""
+def tag(action: Action, stages: int, header: bool = False) -> int:
+    """Message tag of a communication action of a ``stages``-stage pipeline: micro-batch,
+    kind and boundary (two boundaries may join the same pair of ranks); tuple members take
+    consecutive tags."""
     lane = 2 if header else int(action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD))
-    return (action.microbatch * 3 + lane) * 64
+    boundary = min(action.stage, _peer(action))
+    return ((action.microbatch * 3 + lane) * max(stages - 1, 1) + boundary) * 64
 
 
 class Executor:
-    """Runs ``actions`` (one stage's list from a validated schedule) over ``transport``."""
+    """Runs ``rank``'s list of a validated ``schedule`` on ``stages`` (the Stages the schedule
+    places on that rank) over ``transport``, whose peers are ranks."""
 
     def __init__(
         self,
-        stage: Stage,
+        stages: Sequence[Stage],
         transport: Transport,
-        actions: Sequence[Action],
+        schedule: Schedule,
+        rank: int,
         timeout: float,
         training: bool = True,
         recorder: Recorder | None = None,
     ):
-        self.stage, self.transport, self.actions = stage, transport, list(actions)
+        self.stages = {stage.index: stage for stage in stages}
+        self.schedule, self.rank = schedule, rank
+        self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.training, self.recorder = timeout, training, recorder
-        self.compute_time = 0.0  # seconds of forward and backward work in the last run
+        self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
-        backwards = [i for i, a in enumerate(self.actions) if a.kind is Kind.BACKWARD]
-        self._last_backward = backwards[-1] if backwards else -1
+        # Each stage's gradient syncs arm before its last action that makes weight gradients.
+        grads = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
+        self._arm_at = {
+            max(i for i, a in enumerate(self.actions) if a.kind is grads and a.stage == s): s
+            for s in self.stages
+            if any(a.kind is grads and a.stage == s for a in self.actions)
+        }
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
         when not training, else an empty list; losses stay in ``stage.losses``."""
         self._inputs, self._targets = inputs, targets
-        self._in_meta: BoundaryMeta | None = None  # what arrives from the previous stage
-        self._out_meta: BoundaryMeta | None = None  # what leaves for the next stage
+        self._in_meta: dict[int, BoundaryMeta] = {}  # per stage: what comes from the previous
+        self._out_meta: dict[int, BoundaryMeta] = {}  # per stage: what leaves for the next
         self._received: dict[Action, list[torch.Tensor]] = {}
         self._posted: dict[Action, Handle] = {}
         self._sends: list[tuple[Action, Handle]] = []
@@ -88,8 +105,8 @@ class Executor:
             for position, action in enumerate(self.actions):
                 self._position = position
                 self._prefetch()
-                if position == self._last_backward:
-                    for sync in self.stage.syncs:  # reduce gradients as this backward makes them
+                if position in self._arm_at:  # reduce gradients as this action makes them
+                    for sync in self.stages[self._arm_at[position]].syncs:
                         sync.arm()
                 start = time.perf_counter()
                 outgoing = getattr(self, "_do_" + action.kind.name.lower())(action)
@@ -102,23 +119,31 @@ class Executor:
                     self._post(*send)
             self._finish_sends()
         except PeerError as error:
-            self.transport.abort(f"stage {self.stage.index} stopped: {error}")
+            self.transport.abort(f"{self._where()} stopped: {error}")
             raise
         except Exception as error:
             reason = str(error) if isinstance(error, StageError) else repr(error)
-            self.transport.abort(f"stage {self.stage.index} failed: {reason}")
+            self.transport.abort(f"{self._where()} failed: {reason}")
             raise
         return self._outputs
+
+    def _where(self) -> str:
+        """The stage at work (and its rank when a rank holds several stages)."""
+        stage = self.actions[self._position].stage if self.actions else self.rank
+        rank = "" if self.schedule.one_stage_per_rank else f" (rank {self.rank})"
+        return f"stage {stage}{rank}"
 
     # -- receives ---------------------------------------------------------------------------
 
     def _metas(self, action: Action) -> tuple[TensorMeta, ...] | None:
         """Shapes of what ``action`` receives, or None while they are still unknown."""
         if action.kind is Kind.RECV_GRAD:
-            return None if self._out_meta is None else self._out_meta.grad_metas
-        if action.microbatch == 0 or self._in_meta is None:
+            out = self._out_meta.get(action.stage)
+            return None if out is None else out.grad_metas
+        meta = self._in_meta.get(action.stage)
+        if action.microbatch == 0 or meta is None:
             return HEADER_META if action.microbatch == 0 else None
-        return self._in_meta.tensors
+        return meta.tensors
 
     def _prefetch(self) -> None:
         """Post upcoming receives in list order (keeping each link's order) while shapes are
@@ -129,15 +154,19 @@ class Executor:
             if metas is None:
                 return
             header = metas is HEADER_META
-            self._posted[action] = self.transport.recv(metas, _peer(action), tag(action, header))
+            peer, number = self.schedule.rank_of(_peer(action)), self._tag(action, header)
+            self._posted[action] = self.transport.recv(metas, peer, number)
             self._next_recv += 1
+
+    def _tag(self, action: Action, header: bool = False) -> int:
+        return tag(action, self.schedule.stages, header)
 
     def _wait(self, action: Action, handle: Handle) -> list[torch.Tensor]:
         try:
             return handle.wait(self.timeout)
         except PeerError as error:
             where = (
-                f"stage {self.stage.index} at action {self._position + 1} of "
+                f"{self._where()} at action {self._position + 1} of "
                 f"{len(self.actions)} ({action}) waiting for stage {action.peer} "
                 f"on micro-batch {action.microbatch}"
             )
@@ -154,21 +183,22 @@ class Executor:
         handle = self._posted.pop(action, None)
         if handle is None:
             raise PipelineError(
-                f"stage {self.stage.index}: {action} comes before the forward that fixes its "
+                f"{self._where()}: {action} comes before the forward that fixes its "
                 "shapes; the schedule is out of order"
             )
         tensors = self._wait(action, handle)
         if action.kind is Kind.RECV_ACT and action.microbatch == 0:
-            self._in_meta = decode(tensors[0])
-            data = self.transport.recv(self._in_meta.tensors, _peer(action), tag(action))
-            tensors = self._wait(action, data)
+            meta = self._in_meta[action.stage] = decode(tensors[0])
+            peer = self.schedule.rank_of(_peer(action))
+            tensors = self._wait(action, self.transport.recv(meta.tensors, peer, self._tag(action)))
         return tensors
 
     def _do_recv_act(self, action: Action) -> None:
-        tensors = self._receive(action)
-        meta = self._in_meta
-        assert meta is not None
-        for t, m in zip(tensors, meta.tensors, strict=True):
+        self._accept(action, self._receive(action))
+
+    def _accept(self, action: Action, tensors: list[torch.Tensor]) -> None:
+        """Keep a stage's arrived activations (from a message or a stage of this rank)."""
+        for t, m in zip(tensors, self._in_meta[action.stage].tensors, strict=True):
             t.requires_grad_(m.requires_grad and self.training)
         self._received[action] = tensors
 
@@ -178,37 +208,37 @@ class Executor:
     # -- compute ----------------------------------------------------------------------------
 
     def _do_forward(self, action: Action) -> list[Outgoing]:
-        i = action.microbatch
-        if self.stage.is_first:
+        i, stage = action.microbatch, self.stages[action.stage]
+        if stage.is_first:
             if self._inputs is None:
                 raise ValueError("the first stage needs the input: pass x to train_step/eval_step")
             value = self._inputs[i]
             inputs: tuple[torch.Tensor, ...] = ()
         else:
-            assert self._in_meta is not None
             inputs = tuple(self._received.pop(Action(Kind.RECV_ACT, action.stage, i)))
-            value = unflatten(inputs, self._in_meta.is_tuple)
+            value = unflatten(inputs, self._in_meta[action.stage].is_tuple)
         target = None
-        if self.stage.is_last and self.training:
+        if stage.is_last and self.training:
             if self._targets is None:
                 raise ValueError("the last stage needs the target: pass y to train_step")
             target = self._targets[i]
-        output = self.stage.forward(i, inputs, value, target, self.chunks, self.training)
-        if self.stage.is_last:
+        output = stage.forward(i, inputs, value, target, self.chunks, self.training)
+        if stage.is_last:
             if not self.training:
                 self._outputs.append(output)
             return []
-        tensors, is_tuple = flatten(output, f"stage {self.stage.index} (micro-batch {i})")
+        tensors, is_tuple = flatten(output, f"stage {stage.index} (micro-batch {i})")
         meta = describe(tensors, is_tuple)
         send = Action(Kind.SEND_ACT, action.stage, i)
         outgoing: list[Outgoing] = []
-        if self._out_meta is None:
-            self._out_meta = meta
+        known = self._out_meta.get(action.stage)
+        if known is None:
+            self._out_meta[action.stage] = meta
             outgoing.append((send, [encode(meta)], True))
-        elif meta != self._out_meta:
+        elif meta != known:
             raise StageError(
-                f"stage {self.stage.index}: micro-batch {i} produced {meta} but micro-batch 0 "
-                f"produced {self._out_meta}; all micro-batches of a mini-batch must have the "
+                f"stage {stage.index}: micro-batch {i} produced {meta} but micro-batch 0 "
+                f"produced {known}; all micro-batches of a mini-batch must have the "
                 "same shapes and dtypes at a stage boundary (shapes may change between "
                 "mini-batches)"
             )
@@ -216,25 +246,39 @@ class Executor:
         return outgoing
 
     def _do_backward(self, action: Action) -> list[Outgoing]:
-        i = action.microbatch
+        i, stage = action.microbatch, self.stages[action.stage]
         grads: list[torch.Tensor] = []
-        if not self.stage.is_last:
+        if not stage.is_last:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
-        input_grads = self.stage.backward(i, grads)
-        if self.stage.is_first:
+        input_grads = stage.backward(i, grads)
+        if stage.is_first:
             return []
         return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
 
+    def _do_weight(self, action: Action) -> None:
+        self.stages[action.stage].backward_weights(action.microbatch)
+
     def _do_step(self, action: Action) -> None:
         self._finish_sends()
-        for sync in self.stage.syncs:
+        stage = self.stages[action.stage]
+        for sync in stage.syncs:
             sync.finish()
-        self.stage.step()
+        stage.step()
 
     # -- sends ------------------------------------------------------------------------------
 
     def _post(self, action: Action, tensors: list[torch.Tensor], header: bool = False) -> None:
-        handle = self.transport.send(tensors, _peer(action), tag(action, header))
+        peer = _peer(action)
+        if self.schedule.local(action.stage, peer):  # the next stage is here: no message
+            if action.kind is Kind.SEND_GRAD:
+                self._received[action.matching()] = tensors
+            elif header:
+                self._in_meta[peer] = self._out_meta[action.stage]
+            else:
+                self._accept(action.matching(), tensors)
+            return
+        rank = self.schedule.rank_of(peer)
+        handle = self.transport.send(tensors, rank, self._tag(action, header))
         self._sends.append((action, handle))
 
     def _do_send_act(self, action: Action) -> None:

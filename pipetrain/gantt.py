@@ -1,4 +1,7 @@
-"""Gantt pictures of pipeline timelines: one row per stage, one colour per micro-batch.
+"""Gantt pictures of pipeline timelines: one row per rank, one colour per micro-batch.
+
+With one stage per rank a row is a stage; when a rank holds several stages (interleaved), each
+bar is labelled with its stage.
 
 Measured traces and simulated schedules are both lists of Spans, so they draw alike and can be
 put side by side. Needs matplotlib (`pip install pipetrain[viz]`), imported only here.
@@ -24,28 +27,33 @@ def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path
         raise RuntimeError(
             "drawing needs matplotlib: pip install matplotlib (or pipetrain[viz])"
         ) from error
-    stages = max((s.action.stage for _, spans in panels for s in spans), default=0) + 1
+    rows = max((s.lane for _, spans in panels for s in spans), default=0) + 1
+    by_rank = any(s.rank is not None for _, spans in panels for s in spans)
     micro = max((s.action.microbatch for _, spans in panels for s in spans), default=0) + 1
     colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(12, 0.5 + 0.45 * stages * len(panels) + 0.4 * len(panels)),
+        len(panels), 1, figsize=(12, 0.5 + 0.45 * rows * len(panels) + 0.4 * len(panels)),
         sharex=True, squeeze=False,
     )
     for ax, (title, spans) in zip(axes[:, 0], panels, strict=True):
         origin = min((s.start for s in spans), default=0.0)
         for s in spans:
             a = s.action
-            if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP):
+            if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
                 continue
             colour: object = "0.6"  # optimizer steps
             if a.kind is not Kind.STEP:
-                colour = colours((2 * a.microbatch + (a.kind is Kind.BACKWARD)) % 20)
+                colour = colours((2 * a.microbatch + (a.kind is not Kind.FORWARD)) % 20)
             start, width = (s.start - origin) * 1e3, s.duration * 1e3
-            ax.barh(a.stage, width, left=start, height=0.8, color=colour, edgecolor="white")
+            hatch = "//" if a.kind is Kind.WEIGHT else None
+            ax.barh(s.lane, width, left=start, height=0.8, color=colour, edgecolor="white",
+                    hatch=hatch)
             if a.kind is not Kind.STEP:
-                ax.text(start + width / 2, a.stage, f"{a.kind.value}{a.microbatch}",
+                label = str(a) if by_rank else f"{a.kind.value}{a.microbatch}"
+                ax.text(start + width / 2, s.lane, label,
                         ha="center", va="center", fontsize=6, clip_on=True)
-        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+        name = "rank" if by_rank else "stage"
+        ax.set_yticks(range(rows), [f"{name} {r}" for r in range(rows)])
         ax.invert_yaxis()
         ax.set_title(f"{title} — bubble {bubble_fraction(spans):.1%}", fontsize=10)
     axes[-1, 0].set_xlabel(f"ms ({micro} micro-batches)")

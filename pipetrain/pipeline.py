@@ -11,7 +11,7 @@ import atexit
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -35,8 +35,9 @@ from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from schedules import GENERATORS, Kind, Schedule, build, validate
+from schedules.generators import MULTI_STAGE_PER_RANK
 
-RUNNABLE = frozenset({"gpipe", "1f1b"})  # schedules the executor runs today
+RUNNABLE = frozenset({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"})  # the executor runs
 
 
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
@@ -62,8 +63,34 @@ def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Se
 def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forward half, for evaluation (no gradients, no optimizer step)."""
     keep = {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
-    actions = {s: tuple(a for a in ops if a.kind in keep) for s, ops in schedule.actions.items()}
-    return Schedule(schedule.name + "-forward", schedule.stages, schedule.microbatches, actions)
+    actions = {r: tuple(a for a in ops if a.kind in keep) for r, ops in schedule.actions.items()}
+    return Schedule(
+        schedule.name + "-forward", schedule.stages, schedule.microbatches, actions,
+        schedule.placement,
+    )
+
+
+def pipeline_ranks(
+    schedule: str, stages: int, devices: Sequence | None, group: dist.ProcessGroup | None,
+    replicas: int | None,
+) -> int:
+    """How many ranks run the pipeline: one per stage, except for schedules that put several
+    stages on a rank, where the devices (or the processes of one replica) count them."""
+    if schedule not in MULTI_STAGE_PER_RANK:
+        return stages
+    if devices is not None:
+        ranks = len(devices)
+    elif dist.is_initialized():
+        ranks = max(dist.get_world_size(group) // (replicas or 1), 1)
+    else:
+        return stages  # join() explains that there is no process group
+    if stages % ranks or stages < ranks:
+        chunks = max(stages // ranks, 2)
+        raise ValueError(
+            f"{schedule} with {ranks} ranks x {chunks} chunks needs balance with "
+            f"{ranks * chunks} entries (a multiple of {ranks}, one per stage), got {stages}"
+        )
+    return ranks
 
 
 class Pipeline:
@@ -138,27 +165,30 @@ class Pipeline:
         ties = tied_parameters(model, balance)
         self.balance = list(balance)
         self.chunks, self.timeout = chunks, timeout
-        self.schedule = build(schedule, len(parts), chunks)
-        validate(self.schedule)
-        self._evaluation = forward_only(self.schedule)
-        self._failed: str | None = None
-
-        def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
-            offset, module = parts[s]
-            return Stage(
-                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
-                track_memory, owned_elsewhere,
-            )
-
-        if devices is not None:
+        if devices is not None and schedule not in MULTI_STAGE_PER_RANK:
             if len(devices) != len(parts):
                 raise ValueError(
                     f"devices lists {len(devices)} devices for {len(parts)} stages; give one "
                     "device per entry of balance"
                 )
+        nranks = pipeline_ranks(schedule, len(parts), devices, group, replicas)
+        self.schedule = build(schedule, len(parts), chunks, ranks=nranks)
+        validate(self.schedule)
+        self._evaluation = forward_only(self.schedule)
+        self._failed: str | None = None
+        rank_of = self.schedule.rank_of
+
+        def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
+            offset, module = parts[s]
+            return Stage(
+                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
+                track_memory, owned_elsewhere, self.schedule.splits_backward,
+            )
+
+        if devices is not None:
             hub = LocalHub([torch.device(d) for d in devices])
             for _, stages in ties:
-                if len({hub.devices[s] for s in stages}) > 1:
+                if len({hub.devices[rank_of(s)] for s in stages}) > 1:
                     raise ValueError(
                         f"stages {list(stages)} share a weight but sit on different devices; "
                         "put them on one device or untie the weight"
@@ -169,23 +199,38 @@ class Pipeline:
                 for s in range(len(parts))
             ]
             self.stages = [
-                make_stage(s, hub.devices[s], elsewhere[s]) for s in range(len(parts))
+                make_stage(s, hub.devices[rank_of(s)], elsewhere[s]) for s in range(len(parts))
             ]
-            self.transports: list[Transport] = [hub.endpoint(s) for s in range(len(parts))]
-            self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(len(parts))
+            self.transports: list[Transport] = [hub.endpoint(r) for r in range(nranks)]
+            self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(nranks)
             self.stage = None
         else:
             self._threads = None
-            self.placement = join(group, len(parts), replicas, [s for _, s in ties], timeout)
-            self.stage = self.placement.stage
+            # Weights shared across ranks are summed over those ranks; on one rank, the stages
+            # using a weight share one tensor and the first of them steps it.
+            rank_sets = [tuple(sorted({rank_of(s) for s in stages})) for _, stages in ties]
+            cross = [r for r in rank_sets if len(r) > 1]
+            self.placement = join(group, nranks, replicas, cross, timeout)
+            here = self.schedule.stages_on(self.placement.stage)
+            self.stage = here[0]
             ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group
             device = local_device()
-            self.stages = [make_stage(self.stage, device)]
-            self.stages[0].syncs = _gradient_syncs(self.stages[0], self.placement, ties, timeout)
+            owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
+                     if any(s in here for s in stages)}
+            self.stages = [
+                make_stage(s, device, frozenset(i for i, o in owner.items() if o != s))
+                for s in here
+            ]
+            for stage in self.stages:
+                stage.syncs = _gradient_syncs(
+                    stage, self.placement, ties, timeout, rank_of, owner
+                )
             self.transports = [DistributedTransport(p2p, ranks, device)]
             self._ranks, self._group = ranks, p2p
         self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
-        self._recorders = self._start_tracing() if self._trace_dir else [None] * len(self.stages)
+        self._recorders = (
+            self._start_tracing() if self._trace_dir else [None] * len(self.transports)
+        )
         self._progress = Progress(None if progress is True else int(progress)) if progress else None
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
@@ -199,9 +244,9 @@ class Pipeline:
 
     def _start_tracing(self) -> list[Recorder | None]:
         if self._threads is not None:
-            return [Recorder(s.index, s.index, self.schedule) for s in self.stages]
+            return [Recorder(r, r, self.schedule) for r in range(self.schedule.ranks)]
         offset = measure_clock_offset(self._group, self._ranks)
-        recorder = Recorder(dist.get_rank(), self.stages[0].index, self.schedule, offset)
+        recorder = Recorder(dist.get_rank(), self.placement.stage, self.schedule, offset)
         atexit.register(self.save_trace)
         return [recorder]
 
@@ -335,13 +380,15 @@ class Pipeline:
         first, last = self.stages[0], self.stages[-1]
         inputs = self._split(x, "x", first.device) if first.is_first else None  # type: ignore[arg-type]
         targets = self._split(y, "y", last.device) if last.is_last else None  # type: ignore[arg-type]
+        by_index = {stage.index: stage for stage in self.stages}
+        here = range(schedule.ranks) if self._threads is not None else [self.placement.stage]
         executors = [
             Executor(
-                stage, transport, schedule.actions[stage.index], self.timeout, training,
-                recorder if training else None,
+                [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
+                self.timeout, training, recorder if training else None,
             )
-            for stage, transport, recorder in zip(
-                self.stages, self.transports, self._recorders, strict=True
+            for rank, transport, recorder in zip(
+                here, self.transports, self._recorders, strict=True
             )
         ]
         try:
@@ -379,18 +426,24 @@ class Pipeline:
 
 def _gradient_syncs(
     stage: Stage, placement: Placement, ties: list[tuple[nn.Parameter, tuple[int, ...]]],
-    timeout: float,
+    timeout: float, rank_of: Callable[[int], int], owner: dict[int, int],
 ) -> list[GradientSync]:
-    """All-reduces before each optimizer step: one per set of stages sharing weights (summed
-    over those stages, averaged over replicas), one over replicas for the rest."""
+    """All-reduces before each optimizer step: one per set of ranks sharing weights (summed
+    over those ranks, averaged over replicas; on each rank, the stage that steps a shared
+    weight reduces it), one over replicas for the rest."""
     scale = 1.0 / placement.replicas
-    mine = {id(p) for p in stage.module.parameters()}
+    mine = [
+        p for p in stage.module.parameters()
+        if p.requires_grad and owner.get(id(p), stage.index) == stage.index
+    ]
+    ranks_of = {id(p): tuple(sorted({rank_of(s) for s in stages})) for p, stages in ties}
     syncs = []
-    for stage_set, group in placement.tie_groups.items():
-        shared = [p for p, stages in ties if stages == stage_set and id(p) in mine]
-        syncs.append(GradientSync(shared, group, scale, timeout))
-    tied = {id(p) for p, _ in ties}
-    rest = [p for p in stage.module.parameters() if p.requires_grad and id(p) not in tied]
+    for rank_set, group in placement.tie_groups.items():
+        ids = {id(p) for p in mine}
+        shared = [p for p, _ in ties if id(p) in ids and ranks_of[id(p)] == rank_set]
+        if shared:
+            syncs.append(GradientSync(shared, group, scale, timeout))
+    rest = [p for p in mine if len(ranks_of.get(id(p), ())) < 2]
     if placement.replica_group is not None and rest:
         syncs.append(GradientSync(rest, placement.replica_group, scale, timeout))
     return syncs

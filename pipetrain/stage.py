@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -36,10 +36,17 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
     return stops[mode]
 
 
+# W's work for one micro-batch: (tensors, their gradients, the weights to reach from them)
+_WeightWork = tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]
+
+
 @dataclass
 class _Stashed:
     inputs: tuple[torch.Tensor, ...]  # leaves whose .grad goes back to the previous stage
     outputs: tuple[torch.Tensor, ...]  # what backward starts from (the scaled loss on the last)
+    # split backward: per layer with weights, (its output tensors, its weights); B fills in
+    # the output gradients and W backpropagates each layer from them to its weights alone
+    cuts: list[tuple[list[torch.Tensor], list[nn.Parameter]]] = field(default_factory=list)
 
 
 class Stage:
@@ -57,6 +64,7 @@ class Stage:
         checkpoint: str,
         track_memory: bool = False,
         owned_elsewhere: frozenset[int] = frozenset(),
+        split_backward: bool = False,
     ):
         self.module = module.to(device)
         self.index, self.count, self.offset = index, count, offset
@@ -73,6 +81,15 @@ class Stage:
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        # Split backward (schedules with W): B computes input gradients, W weight gradients.
+        self.split_backward = split_backward
+        self._weights = [p for p in self.module.parameters() if p.requires_grad]
+        per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in self.module]
+        distinct = len({id(p) for p in self._weights}) == sum(len(ps) for ps in per_layer)
+        # W per layer from the layer's output gradient needs each weight in one layer only;
+        # else (and for recomputed micro-batches) W backpropagates the stage's outputs again.
+        self._layer_weights = per_layer if distinct else None
+        self._weight_work: dict[int, list[_WeightWork]] = {}
 
     @property
     def is_first(self) -> bool:
@@ -82,10 +99,15 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
-    def _run_layers(self, value: object) -> object:
+    def _run_layers(self, value: object, cuts: list | None = None) -> object:
+        """The slice's output; with ``cuts``, note each weighted layer's output there."""
         for position, layer in enumerate(self.module):
             self._layer = position  # names the culprit if a layer raises
             value = layer(value)
+            if cuts is not None and self._layer_weights and self._layer_weights[position]:
+                tensors = value if isinstance(value, tuple | list) else (value,)
+                grads = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+                cuts.append((grads, self._layer_weights[position]))
         return value
 
     def forward(
@@ -106,10 +128,12 @@ class Stage:
                     return self._run_layers(value)
             # On the last stage the loss is part of the (possibly recomputed) work, so a
             # checkpointed micro-batch keeps nothing but its inputs.
-            work = partial(self._run_and_score, target=target)
+            recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
+            cuts: list | None = [] if self.split_backward and not recomputed else None
+            work = partial(self._run_and_score, target=target, cuts=cuts)
             ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
             with ledger, gathering_statistics():
-                if microbatch < checkpoint_stop(self.checkpoint, chunks):
+                if recomputed:
                     output = recompute(work, value, use_reentrant=False)
                 else:
                     output = work(value)
@@ -128,12 +152,12 @@ class Stage:
             saved: tuple[torch.Tensor, ...] = (output / chunks,)  # type: ignore[operator]
         else:
             saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
-        self._stash[microbatch] = _Stashed(inputs, saved)
+        self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
         return output
 
-    def _run_and_score(self, value: object, target: object) -> object:
+    def _run_and_score(self, value: object, target: object, cuts: list | None = None) -> object:
         """The slice's output, or on the last stage its loss against ``target``."""
-        output = self._run_layers(value)
+        output = self._run_layers(value, cuts)
         return self._loss(output, target) if self.is_last else output
 
     def _loss(self, output: object, target: object) -> torch.Tensor:
@@ -150,7 +174,8 @@ class Stage:
 
     def backward(self, microbatch: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate micro-batch ``microbatch`` from its output gradients; return the
-        gradients of the inputs that the previous stage asked for."""
+        gradients of the inputs that the previous stage asked for. Under ``split_backward``
+        only those: the weight gradients wait for ``backward_weights``."""
         stashed = self._stash.pop(microbatch)
         outputs = [t for t in stashed.outputs if t.requires_grad]
         if self.is_last:
@@ -160,21 +185,71 @@ class Stage:
                 f"stage {self.index}: received {len(grads)} gradients for micro-batch "
                 f"{microbatch} but {len(outputs)} outputs need one"
             )
+        wanted = [x for x in stashed.inputs if x.requires_grad]
         try:
-            if outputs:
-                torch.autograd.backward(outputs, grads)
+            if not self.split_backward:
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+                found = [x.grad for x in wanted]
+            else:
+                found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
         except Exception as error:
             raise StageError(
                 f"stage {self.index}, backward of micro-batch {microbatch} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        if self.ledger:
+        if self.ledger and not self.split_backward:
             self.ledger.release(microbatch)
         return [
-            x.grad if x.grad is not None else torch.zeros_like(x)
-            for x in stashed.inputs
-            if x.requires_grad
+            g if g is not None else torch.zeros_like(x)
+            for g, x in zip(found, wanted, strict=True)
         ]
+
+    def _input_gradients(
+        self,
+        microbatch: int,
+        stashed: _Stashed,
+        outputs: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        wanted: list[torch.Tensor],
+    ) -> list[torch.Tensor | None]:
+        """B of a split backward: the inputs' gradients and, in the same pass, those of each
+        weighted layer's outputs (no weight gradient is computed); W's work is kept."""
+        cut = [t for tensors, _ in stashed.cuts for t in tensors]
+        found: list[torch.Tensor | None] = [None] * (len(wanted) + len(cut))
+        if outputs and (wanted or cut):
+            found = list(torch.autograd.grad(
+                outputs, wanted + cut, grads, retain_graph=True, allow_unused=True
+            ))
+        work: list[_WeightWork] = []
+        if stashed.cuts:
+            at = len(wanted)
+            for tensors, weights in stashed.cuts:
+                pairs = [(t, g) for t, g in zip(tensors, found[at:], strict=False) if g is not None]
+                at += len(tensors)
+                if pairs:
+                    work.append(([t for t, _ in pairs], [g for _, g in pairs], weights))
+        elif outputs and self._weights:
+            work.append((outputs, grads, self._weights))
+        self._weight_work[microbatch] = work
+        return found[: len(wanted)]
+
+    def backward_weights(self, microbatch: int) -> None:
+        """W of a split backward: accumulate micro-batch ``microbatch``'s weight gradients
+        (layer by layer, last first, each from its output gradient found by B). A recomputed
+        (checkpointed) micro-batch backpropagates its outputs a second time, which recomputes
+        its forward once more (non-reentrant checkpointing recomputes once per backward)."""
+        work = self._weight_work.pop(microbatch)
+        try:
+            for tensors, grads, weights in reversed(work):
+                torch.autograd.backward(tensors, grads, inputs=weights, retain_graph=True)
+        except Exception as error:
+            raise StageError(
+                f"stage {self.index}, weight gradients of micro-batch {microbatch} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if self.ledger:
+            self.ledger.release(microbatch)  # the graph goes with ``work``
 
     def zero_grad(self) -> None:
         self.losses.clear()
@@ -185,9 +260,10 @@ class Stage:
             self.module.zero_grad(set_to_none=not keep)
 
     def step(self) -> None:
-        if self._stash:
+        if self._stash or self._weight_work:
+            pending = sorted({*self._stash, *self._weight_work})
             raise StageError(
-                f"stage {self.index}: optimizer step with micro-batches {sorted(self._stash)} "
+                f"stage {self.index}: optimizer step with micro-batches {pending} "
                 "not yet backpropagated; the schedule is incomplete"
             )
         if self.optimizer is not None:

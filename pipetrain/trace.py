@@ -24,7 +24,9 @@ FORMAT = "pipetrain-trace"
 
 @dataclass
 class Recorder:
-    """Spans of one stage's actions, grouped by training step."""
+    """Spans of one rank's actions (of every stage it holds), grouped by training step.
+    ``rank`` names the file (the global rank); ``stage`` is the rank's position in the
+    pipeline, which is its stage when every rank holds one stage."""
 
     rank: int
     stage: int
@@ -36,7 +38,8 @@ class Recorder:
         self.steps.append([])
 
     def record(self, action: Action, start: float, end: float) -> None:
-        self.steps[-1].append(Span(action, start, end))
+        lane = None if self.schedule.one_stage_per_rank else self.stage
+        self.steps[-1].append(Span(action, start, end, lane))
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / f"trace-rank{self.rank}.json"
@@ -50,8 +53,12 @@ class Recorder:
             "schedule": self.schedule.name,
             "stages": self.schedule.stages,
             "microbatches": self.schedule.microbatches,
+            "ranks": self.schedule.ranks,
             "steps": [
-                [[s.action.kind.value, s.action.microbatch, s.start, s.end] for s in spans]
+                [
+                    [s.action.kind.value, s.action.microbatch, s.start, s.end, s.action.stage]
+                    for s in spans
+                ]
                 for spans in self.steps
             ],
         }
@@ -62,7 +69,7 @@ class Recorder:
 @dataclass(frozen=True)
 class RankTrace:
     rank: int
-    stage: int
+    stage: int  # the rank's position in the pipeline (its stage under one stage per rank)
     schedule: Schedule
     steps: list[list[Span]]  # times on rank 0's clock
 
@@ -71,13 +78,19 @@ def load(path: str | Path) -> RankTrace:
     data = json.loads(Path(path).read_text())
     if data.get("format") != FORMAT or data.get("version") != 1:
         raise ValueError(f"{path} is not a pipetrain trace (version 1)")
-    stage, offset = data["stage"], data["clock_offset"]
+    lane, offset = data["stage"], data["clock_offset"]
+    stages = data["stages"]
+    ranks = data.get("ranks", stages)
+    rank = None if ranks == stages else lane
     steps = [
-        [Span(Action(Kind(k), stage, mb), a + offset, b + offset) for k, mb, a, b in spans]
+        [
+            Span(Action(Kind(k), (rest or [lane])[0], mb), a + offset, b + offset, rank)
+            for k, mb, a, b, *rest in spans
+        ]
         for spans in data["steps"]
     ]
-    schedule = build(data["schedule"], data["stages"], data["microbatches"])
-    return RankTrace(data["rank"], stage, schedule, steps)
+    schedule = build(data["schedule"], stages, data["microbatches"], ranks=ranks)
+    return RankTrace(data["rank"], lane, schedule, steps)
 
 
 def load_folder(folder: str | Path) -> list[RankTrace]:
@@ -95,8 +108,9 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict:
     origin = min((s.start for t in traces for step in t.steps for s in step), default=0.0)
     events: list[dict] = []
     for t in traces:
+        held = ", ".join(map(str, t.schedule.stages_on(t.stage)))
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": t.rank,
-                       "args": {"name": f"rank {t.rank} (stage {t.stage})"}})
+                       "args": {"name": f"rank {t.rank} (stage {held})"}})
         for number, spans in enumerate(t.steps):
             for s in spans:
                 a = s.action
@@ -104,7 +118,7 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict:
                 events.append({
                     "ph": "X", "pid": 0, "tid": t.rank, "name": label, "cat": a.kind.name,
                     "ts": (s.start - origin) * 1e6, "dur": s.duration * 1e6,
-                    "args": {"step": number, "microbatch": a.microbatch, "stage": t.stage},
+                    "args": {"step": number, "microbatch": a.microbatch, "stage": a.stage},
                 })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -135,18 +149,29 @@ def measure_clock_offset(group: dist.ProcessGroup, ranks: Sequence[int], rounds:
     return best[1]
 
 
+def measured_costs(spans: Sequence[Span], stages: int) -> dict[Kind, list[float]]:
+    """Each stage's mean forward, backward and weight time in ``spans``."""
+    costs = {}
+    for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+        mean = [0.0] * stages
+        for s in range(stages):
+            times = [x.duration for x in spans if x.action.kind is kind and x.action.stage == s]
+            mean[s] = sum(times) / len(times) if times else 0.0
+        costs[kind] = mean
+    return costs
+
+
 def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
-    """The schedule simulated with each stage's measured mean forward and backward times (and
-    free transfers), to set beside the measured step: what remains is the cost of moving data
-    and waiting for it."""
+    """The schedule simulated with each stage's measured mean forward, backward (and weight)
+    times and free transfers, to set beside the measured step: what remains is the cost of
+    moving data and waiting for it."""
     schedule = traces[0].schedule
-    forward, backward = [0.0] * schedule.stages, [0.0] * schedule.stages
-    for t in traces:
-        spans = t.steps[step]
-        for kind, out in ((Kind.FORWARD, forward), (Kind.BACKWARD, backward)):
-            times = [s.duration for s in spans if s.action.kind is kind]
-            out[t.stage] = sum(times) / len(times) if times else 0.0
-    return list(simulate(schedule, forward, backward).timeline)
+    cost = measured_costs(step_spans(traces, step), schedule.stages)
+    return list(
+        simulate(
+            schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD], weight=cost[Kind.WEIGHT]
+        ).timeline
+    )
 
 
 def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:

@@ -33,17 +33,18 @@ class Handle(ABC):
 
 
 class Transport(ABC):
-    """Point-to-point links from one stage to the others of its pipeline."""
+    """Point-to-point links from one rank to the others of its pipeline (peers are pipeline
+    ranks; with one stage per rank, the rank is the stage)."""
 
     device: torch.device
 
     @abstractmethod
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle:
-        """Post the tensors to stage ``peer``; the caller keeps the handle until it is waited."""
+        """Post the tensors to rank ``peer``; the caller keeps the handle until it is waited."""
 
     @abstractmethod
     def recv(self, metas: Sequence[TensorMeta], peer: int, tag: int) -> Handle:
-        """Post a receive of tensors shaped as ``metas`` from stage ``peer``."""
+        """Post a receive of tensors shaped as ``metas`` from rank ``peer``."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:
@@ -70,7 +71,8 @@ class _DistributedHandle(Handle):
 
 
 class DistributedTransport(Transport):
-    """torch.distributed isend/irecv within ``group``; stage s is global rank ``ranks[s]``."""
+    """torch.distributed isend/irecv within ``group``; pipeline rank r is global rank
+    ``ranks[r]``."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], device: torch.device):
         self.group = group
@@ -156,8 +158,8 @@ class LocalHub:
                 self.reason = reason
         self.aborted.set()
 
-    def endpoint(self, stage: int) -> LocalTransport:
-        return LocalTransport(self, stage)
+    def endpoint(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
 
 
 class _LocalSend(Handle):
@@ -186,20 +188,20 @@ class _LocalRecv(Handle):
 
 
 class LocalTransport(Transport):
-    """One stage's end of a LocalHub; a send copies its tensors onto the receiver's device."""
+    """One rank's end of a LocalHub; a send copies its tensors onto the receiver's device."""
 
-    def __init__(self, hub: LocalHub, stage: int):
-        self.hub, self.stage = hub, stage
-        self.device = hub.devices[stage]
+    def __init__(self, hub: LocalHub, rank: int):
+        self.hub, self.rank = hub, rank
+        self.device = hub.devices[rank]
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle:
         target = self.hub.devices[peer]
         copies = [t.detach().to(target, copy=True) for t in tensors]
-        self.hub.box(self.stage, peer, tag).put(copies)
+        self.hub.box(self.rank, peer, tag).put(copies)
         return _LocalSend()
 
     def recv(self, metas: Sequence[TensorMeta], peer: int, tag: int) -> Handle:
-        return _LocalRecv(self.hub.box(peer, self.stage, tag), self.hub)
+        return _LocalRecv(self.hub.box(peer, self.rank, tag), self.hub)
 
     def abort(self, reason: str) -> None:
         self.hub.abort(reason)

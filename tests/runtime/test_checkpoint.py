@@ -78,6 +78,15 @@ def test_only_complete_checkpoints_are_kept_and_named(tmp_path):
     assert manifest["step"] == 4 and manifest["stages"] == 2
 
 
+def test_a_run_restarted_from_scratch_keeps_its_newest_checkpoint(tmp_path):
+    old = pipeline(mlp(), [6, 6])
+    for step in (5, 6, 1):  # a fresh run saves step 1 after an old run's 5 and 6
+        old.step = step
+        old.save(tmp_path)
+        assert checkpointing.latest(tmp_path).name == f"step-{step:08d}"
+    assert pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path).step == 1
+
+
 def _train_in_processes(rank: int, world: int, folder: str | None, steps: int):
     """Train (resuming from ``folder`` if it holds a checkpoint) up to ``steps`` steps."""
     balance = [4, 8] if world == 2 else [3, 3, 3, 3]

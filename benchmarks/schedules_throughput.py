@@ -1,0 +1,234 @@
+"""Schedule throughput: pipetrain's interleaved 1F1B, ZB-H1 and ZB-H2 against its 1F1B and
+against torch.distributed.pipelining's interleaved schedules, on 2 and 4 CPU ranks.
+
+Model: 16 blocks of Linear(512, 512) + ReLU (32 layers), batch 128 in 8 micro-batches, MSE loss,
+SGD, checkpoint="never", one torch thread per rank, ranks joined by gloo (started here).
+
+  pipetrain-1f1b           p stages of 32/p layers
+  pipetrain-interleaved    2p stages of 16/p layers, stage c*p+r on rank r
+  pipetrain-zb-h1/-h2      p stages of 32/p layers, backward split into B and W
+  torch-interleaved-1f1b   ScheduleInterleaved1F1B, same 2p stages, same placement
+  torch-interleaved-zb     ScheduleInterleavedZeroBubble, same 2p stages
+  torch-zbv                ScheduleZBVZeroBubble, 2p stages in a V (rank r: stages r, 2p-1-r)
+
+Variants alternate: every round runs each variant for a few steps, the order rotating from
+round to round; a step's time is the slowest rank's; the table gives the median over all timed
+steps. "measured bubble" is 1 - compute/step averaged over ranks, compute being the executor's
+F+B+W time (pipetrain.metrics["stage_bubble"]); "simulated" is schedules.simulate with each
+stage's measured mean F, B and W times and free transfers. With 4 ranks on a 2-core machine
+the ranks share cores (oversubscribed): compute times inflate and bubbles mix with waiting for
+a core, so compare variants within one rank count, not across.
+
+    python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
+    python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+from datetime import timedelta
+
+WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
+LAYERS = 2 * BLOCKS
+PIPETRAIN = ("1f1b", "interleaved", "zb-h1", "zb-h2")
+TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _mse(out, target):
+    import torch
+
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _sgd(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+class _Pipetrain:
+    def __init__(self, schedule: str, ranks: int, x, y, trace: str):
+        import pipetrain
+
+        stages = ranks * (2 if schedule == "interleaved" else 1)
+        self.pipe = pipetrain.Pipeline(
+            _model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
+            checkpoint="never", loss_fn=_mse, optimizer=_sgd, timeout=120, trace=trace,
+        )
+        self.x, self.y = x, y
+        self.bubbles: list[float] = []
+
+    def step(self) -> None:
+        self.pipe.train_step(self.x, self.y)
+        self.bubbles.append(self.pipe.metrics["stage_bubble"][0])
+
+    def simulated_bubble(self) -> float:
+        """schedules.simulate with this run's measured per-stage mean F, B and W times."""
+        import torch
+        import torch.distributed as dist
+
+        from pipetrain.trace import measured_costs
+        from schedules import simulate
+
+        schedule = self.pipe.schedule
+        spans = [s for r in self.pipe._recorders if r for step in r.steps[2:] for s in step]
+        cost = measured_costs(spans, schedule.stages)
+        flat = torch.tensor([cost[k][s] for k in cost for s in range(schedule.stages)],
+                            dtype=torch.float64)
+        dist.all_reduce(flat)  # each stage's times come from the one rank that holds it
+        f, b, w = flat.view(3, schedule.stages).tolist()
+        return simulate(schedule, f, b, weight=w).bubble_fraction
+
+
+class _Torch:
+    def __init__(self, kind: str, rank: int, ranks: int, x, y):
+        import torch
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
+        )
+
+        stages = 2 * ranks
+        mine = [rank, 2 * ranks - 1 - rank] if kind == "torch-zbv" else [rank, rank + ranks]
+        model, size = _model(), LAYERS // stages
+        self.stages = [
+            PipelineStage(model[s * size : (s + 1) * size], s, stages, torch.device("cpu"))
+            for s in mine
+        ]
+        self.first, self.last = 0 in mine, stages - 1 in mine
+        params = [p for stage in self.stages for p in stage.submod.parameters()]
+        self.opt = _sgd(params)
+        cls = {
+            "torch-interleaved-1f1b": ScheduleInterleaved1F1B,
+            "torch-interleaved-zb": ScheduleInterleavedZeroBubble,
+            "torch-zbv": ScheduleZBVZeroBubble,
+        }[kind]
+        self.schedule = cls(self.stages, n_microbatches=CHUNKS, loss_fn=_mse)
+        self.x, self.y = x, y
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        args = (self.x,) if self.first else ()
+        kwargs = {"target": self.y, "losses": []} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        self.opt.step()
+
+
+def _rank(rank: int, ranks: int, port: int, rounds: int, steps: int, out: dict) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=timedelta(seconds=300))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    variants: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as trace:
+        for name in PIPETRAIN:
+            variants[name] = _Pipetrain(name, ranks, x, y, f"{trace}/{name}")
+        for name in TORCH:
+            try:
+                variants[name] = _Torch(name, rank, ranks, x, y)
+            except Exception as error:  # an API this torch lacks: report, go on
+                if rank == 0:
+                    print(f"{name}: unavailable ({type(error).__name__}: {error})")
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for variant in variants.values():  # warm-up
+            for _ in range(2):
+                variant.step()  # type: ignore[attr-defined]
+        names = list(variants)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                for _ in range(steps):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    variants[name].step()  # type: ignore[attr-defined]
+                    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                    times[name].append(float(took))
+        rows = {}
+        for name, variant in variants.items():
+            row = {"median": statistics.median(times[name])}
+            if isinstance(variant, _Pipetrain):
+                bubble = torch.tensor([statistics.mean(variant.bubbles[2:])],
+                                      dtype=torch.float64)
+                dist.all_reduce(bubble)
+                row["measured"] = float(bubble) / ranks
+                row["simulated"] = variant.simulated_bubble()
+            rows[name] = row
+        if rank == 0:
+            out.update(rows)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _worker(rank, ranks, port, rounds, steps, queue):
+    out: dict = {}
+    _rank(rank, ranks, port, rounds, steps, out)
+    if rank == 0:
+        queue.put(out)
+
+
+def run(ranks: int, rounds: int, steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, rounds, steps, queue))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=900)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    args = parser.parse_args()
+    print(f"model {BLOCKS} x (Linear({WIDTH})+ReLU), batch {BATCH}, {CHUNKS} micro-batches, "
+          f"{os.cpu_count()} cores; median of {args.rounds * args.steps} steps per variant")
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        rows = run(ranks, args.rounds, args.steps)
+        base = rows["1f1b"]["median"]
+        print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
+                                    if ranks > (os.cpu_count() or 1) else ""))
+        print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}"
+              f"{'bubble measured':>17}{'simulated':>11}")
+        for name, row in rows.items():
+            label = name if name.startswith("torch") else f"pipetrain-{name}"
+            bubble = (f"{row['measured']:>17.1%}{row['simulated']:>11.1%}"
+                      if "measured" in row else f"{'-':>17}{'-':>11}")
+            print(f"{label:<26}{row['median'] * 1e3:>9.1f}{BATCH / row['median']:>11.0f}"
+                  f"{base / row['median']:>8.2f}x{bubble}")
+
+
+if __name__ == "__main__":
+    main()
