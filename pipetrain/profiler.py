@@ -5,13 +5,23 @@ Each layer is timed on its own, on the output the layers before it produced from
 autograd recording, its input requiring grad exactly when it does in the whole model (a first
 layer fed plain data computes no input gradient). Its backward is timed from its output's
 gradient with ``torch.autograd.backward(outputs, grads)``, which also accumulates the parameter
-gradients as training does. Times are medians over ``repeats`` runs after ``warmup`` runs; on
-CUDA they come from CUDA events, elsewhere from ``time.perf_counter`` around synchronous work.
+gradients as training does. Times are medians over ``repeats`` sweeps after ``warmup`` sweeps,
+a sweep running every layer once in model order (so a drift in the machine's speed touches all
+layers alike); on CUDA they come from CUDA events, elsewhere from ``time.perf_counter`` around
+synchronous work. Between sweeps every layer's input and output gradient for the sample batch
+stay on the device (the activations of one forward pass, without autograd's intermediates).
 
 Times describe this process's settings: profile with the thread count (``torch.set_num_threads``)
 and the batch size each pipeline stage will run with (the planner scales times linearly from the
 profiled batch to the micro-batch it plans for, which is only an approximation on a CPU, where
 small batches run less efficiently).
+
+On a CPU the allocator matters too: glibc's malloc by default returns the activations freed after
+each backward to the operating system and page-faults them back in during the next forward, a
+cost that layers timed one at a time (whose memory is reused at once) do not see and that varies
+with which layers share a process. Train with an allocator that keeps freed memory (jemalloc or
+tcmalloc, or glibc tuned with ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` and
+``MALLOC_MMAP_THRESHOLD_``; see ``benchmarks/plan_quality.py``) for predictions to hold.
 
 The model is left as it was found: its train/eval mode, its buffers (BatchNorm statistics), its
 parameters' ``.grad`` and the random number generators are restored afterwards. With ``device``
@@ -133,7 +143,9 @@ def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
     modes = [m.training for m in model.modules()]
     buffers = [b.detach().clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
-    devices = [device] if device.type == "cuda" else []
+    devices: list[int] = []
+    if device.type == "cuda":
+        devices = [torch.cuda.current_device() if device.index is None else device.index]
     with torch.random.fork_rng(devices=devices):
         try:
             yield
@@ -147,46 +159,45 @@ def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
                 p.grad = g
 
 
-def _time_layer(
-    layer: nn.Module,
-    value: object,
-    grad_flags: list[bool],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-) -> tuple[float, float, object]:
-    """Median forward and backward seconds of ``layer`` on ``value`` and its (detached)
-    output. ``grad_flags`` says which of ``value``'s tensors require grad in the model."""
-    flags = iter(grad_flags)
+class _LayerRun:
+    """One layer, the input it gets in the model (as leaves that require grad exactly where the
+    model's tensors do), random gradients for its outputs, and its timings."""
 
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().requires_grad_(next(flags))
+    def __init__(self, index: int, name: str, layer: nn.Module, value: object, flags: list[bool]):
+        self.index, self.name, self.layer = index, name, layer
+        grad_flags = iter(flags)
+        self.leaves = _map(value, lambda t: t.detach().requires_grad_(next(grad_flags)))
+        self.grads: list[torch.Tensor] | None = None
+        self.forward: list[float] = []
+        self.backward: list[float] = []
 
-    leaves = _map(value, leaf)
-    forward, backward = [], []
-    output: object = None
-    grads: list[torch.Tensor] | None = None
-    for run in range(warmup + repeats):
-        # A fresh copy per run: an in-place layer must not change the stored input (or a leaf).
-        inputs = _map(leaves, lambda t: t.clone())
-        for t in tensors_of(leaves):
-            t.grad = None
-        clock = _Clock(device)
-        clock.mark()
-        output = layer(inputs)
-        clock.mark()
-        outs = [t for t in tensors_of(output) if t.requires_grad]
-        if grads is None:
-            # Random output gradients, made once and outside the timing.
-            grads = [torch.randn_like(t) for t in outs]
-        if outs:
-            torch.autograd.backward(outs, grads)
-        clock.mark()
-        spans = clock.spans()
-        if run >= warmup:
-            forward.append(spans[0])
-            backward.append(spans[1] if outs else 0.0)
-    return statistics.median(forward), statistics.median(backward), output
+    def run(self, device: torch.device, record: bool) -> object:
+        """Forward and backward once (timed into the lists if ``record``); the output."""
+        try:
+            # A fresh copy per run: an in-place layer must not change the stored input.
+            inputs = _map(self.leaves, lambda t: t.clone())
+            for t in tensors_of(self.leaves):
+                t.grad = None
+            clock = _Clock(device)
+            clock.mark()
+            output = self.layer(inputs)
+            clock.mark()
+            outs = [t for t in tensors_of(output) if t.requires_grad]
+            if self.grads is None:  # made once, outside the timing
+                self.grads = [torch.randn_like(t) for t in outs]
+            if outs:
+                torch.autograd.backward(outs, self.grads)
+            clock.mark()
+        except Exception as error:
+            raise ValueError(
+                f"layer {self.index} ({self.name}) failed on an input of "
+                f"{describe(self.leaves)}: {type(error).__name__}: {error}"
+            ) from error
+        if record:
+            spans = clock.spans()
+            self.forward.append(spans[0])
+            self.backward.append(spans[1] if outs else 0.0)
+        return output
 
 
 def profile(
@@ -229,34 +240,39 @@ def profile(
     value = _map(sample_input, lambda t: t.to(where))
     names, counts = layer_signature(model)
     state_factor = OPTIMIZER_STATE[optimizer]
-    layers = []
+    runs: list[_LayerRun] = []
     with _preserved(model, where), torch.enable_grad():
         model.train()
+        # Sweep 0 passes the sample through the layers in order and keeps every layer's input;
+        # each further sweep runs every layer once more, so drifts in the machine's speed
+        # touch all layers alike and each layer runs after its predecessor, as in training.
         flags = [t.requires_grad for t in tensors_of(value)]
-        for index, (name, count, layer) in enumerate(zip(names, counts, model, strict=True)):
-            try:
-                forward, backward, output = _time_layer(layer, value, flags, where, warmup, repeats)
-            except Exception as error:
-                raise ValueError(
-                    f"layer {index} ({name}) failed on an input of {describe(value)}: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
-            params = list(layer.parameters())
-            param_bytes = sum(p.numel() * p.element_size() for p in params)
-            trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            layers.append(
-                LayerCost(
-                    name=name,
-                    forward=forward,
-                    backward=backward,
-                    activation_bytes=nbytes(output),
-                    param_count=count,
-                    param_bytes=param_bytes,
-                    optimizer_state_bytes=state_factor * trained,
-                )
-            )
+        outputs = []
+        for index, (name, layer) in enumerate(zip(names, model, strict=True)):
+            runs.append(_LayerRun(index, name, layer, value, flags))
+            output = runs[-1].run(where, record=warmup == 0)
+            outputs.append(nbytes(output))
             flags = [t.requires_grad for t in tensors_of(output)]
             value = _map(output, lambda t: t.detach())
+        for sweep in range(1, warmup + repeats):
+            for run in runs:
+                run.run(where, record=sweep >= warmup)
+    layers = []
+    for run, count, size in zip(runs, counts, outputs, strict=True):
+        params = list(run.layer.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        layers.append(
+            LayerCost(
+                name=run.name,
+                forward=statistics.median(run.forward),
+                backward=statistics.median(run.backward),
+                activation_bytes=size,
+                param_count=count,
+                param_bytes=param_bytes,
+                optimizer_state_bytes=state_factor * trained,
+            )
+        )
     return Profile(
         device=device_name(where),
         batch_size=batch_size,

@@ -1,0 +1,682 @@
+"""Plan quality: is the planner's split faster than a naive one, and is its step prediction right?
+
+(a) Planned vs uniform split. ``examples.models.resnet_like`` (its full-resolution first layers
+    hold most of the compute, its last layers are many cheap ones) is profiled on this machine
+    (one torch thread, the micro-batch as the profiled batch), then split into 2 stages by the
+    planner (exact DP, with the gloo bandwidth measured between the ranks) and by layer count
+    (uniform). Both run for real: 2 processes joined by gloo, one torch thread each, the same
+    mini-batch, 1F1B, Adam; rounds alternate between the splits (the order rotates every round)
+    and each step's time is the slower rank's. Reported: the medians and the throughput ratio
+    planned / uniform (target >= 1.3).
+(b) Prediction. For 2 and 4 stages the plan's predicted step time (the schedule simulated on the
+    profiled per-stage costs) is compared with the measured median step (target: within 15%).
+    This machine has few cores: with more stage processes than cores the processes share them,
+    which the plan (one device per stage) cannot know. So a second prediction simulates the
+    same schedule with the stages' compute sharing ``--cores`` cores equally (processor
+    sharing: while k > c stages compute, each runs at c/k speed); with no more stages than
+    cores it equals the plan's. Both are reported, honestly labelled.
+(c) The plan tables of the bundled PipeDream profiles vgg16 and gnmt (4 stages), as
+    ``pipetrain plan`` prints them.
+
+Measuring conditions, chosen so that the profile sees what the stages will see:
+  * the profile is taken while the other cores run the same model (``--profile-load busy``),
+    as the other stages will keep them busy (shared caches and memory bandwidth; in some runs
+    the stages of the 2-stage split computed 10-14% slower than an idle-machine profile);
+  * glibc malloc keeps freed memory (``--allocator tuned``, see ``tune_malloc``) in the
+    profiling process and every rank;
+  * ``--rounds`` x ``--steps`` alternating; a report of how busy the machine was with other
+    work closes the table (other load slows whichever split runs at that moment).
+
+    python benchmarks/plan_quality.py            # default, about 1.5 minutes on 2 cores
+    python benchmarks/plan_quality.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples.models, when run as a script from anywhere
+
+TARGET_RATIO, TARGET_ERROR = 1.3, 0.15
+
+
+# -- the CPU allocator --------------------------------------------------------------------------
+
+
+def tune_malloc() -> str:
+    """Keep freed memory in this process (glibc): no trimming, a 64 MiB top pad, no mmap below
+    32 MiB. By default glibc hands the activations freed after each backward back to the OS
+    and page-faults them in again during the next forward, which made a chained forward here
+    30-50% slower than the sum of its layers timed alone (the profile) and stage compute
+    inside a pipeline ~10% slower, in a way that depends on which layers share a process.
+    PyTorch's CPU performance guide recommends jemalloc or tcmalloc for the same reason."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "default allocator (no glibc to tune)"
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = all(
+        libc.mallopt(option, value)
+        for option, value in (
+            (m_mmap_threshold, 32 * 2**20),
+            (m_trim_threshold, 2**30),
+            (m_top_pad, 64 * 2**20),
+        )
+    )
+    return "glibc malloc tuned (keeps freed memory)" if ok else "mallopt failed: default"
+
+
+# -- a schedule on shared cores ----------------------------------------------------------------
+
+
+def shared_core_step(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    forward: list[float],
+    backward: list[float],
+    transfer: list[float],
+    cores: int,
+) -> float:
+    """Step time of ``schedule`` when its stages share ``cores`` cores: the simulator's model
+    (schedules.simulate: a send leaves when its compute ends, whatever the list order, and
+    arrives ``transfer`` later) with every compute action running at min(1, cores / k) of full
+    speed while k stages compute at once. Equals ``simulate(...).step_time`` when
+    ``stages <= cores`` (compute actions of zero cost included)."""
+    from schedules import Action, Kind, build
+
+    actions = build(schedule, stages, microbatches).actions
+    cursor = [0] * stages
+    left: list[float | None] = [None] * stages  # full-speed seconds left of the current compute
+    arrival: dict[Action, float] = {}
+    now = 0.0
+
+    def complete(s: int, done: Action) -> None:
+        """``done`` ends now: post what it sends."""
+        if done.kind is Kind.FORWARD and s < stages - 1:
+            arrival[Action(Kind.RECV_ACT, s + 1, done.microbatch)] = now + transfer[s]
+        elif done.kind is Kind.BACKWARD and s > 0:
+            arrival[Action(Kind.RECV_GRAD, s - 1, done.microbatch)] = now + transfer[s - 1]
+
+    while True:
+        moved = True
+        while moved:  # run every action that takes no time, as far as each stage can go
+            moved = False
+            for s in range(stages):
+                ops = actions[s]
+                while cursor[s] < len(ops) and left[s] is None:
+                    a = ops[cursor[s]]
+                    if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                        if arrival.get(a, math.inf) > now:
+                            break
+                    elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                        pass  # posted when its compute ended (see below), as the runtime does
+                    else:
+                        cost = {Kind.FORWARD: forward, Kind.BACKWARD: backward}.get(a.kind)
+                        if cost is not None and cost[s] > 0:
+                            left[s] = cost[s]
+                            break
+                        complete(s, a)
+                    cursor[s] += 1
+                    moved = True
+        busy = [s for s in range(stages) if left[s] is not None]
+        if not busy and all(cursor[s] == len(actions[s]) for s in range(stages)):
+            return now
+        rate = min(1.0, cores / len(busy)) if busy else 0.0
+        finish = min((left[s] / rate for s in busy), default=math.inf)  # type: ignore[operator]
+        coming = min((t - now for t in arrival.values() if t > now), default=math.inf)
+        step = min(finish, coming)
+        if not math.isfinite(step):
+            raise RuntimeError("shared-core simulation made no progress")
+        now += step
+        for s in busy:
+            remaining = left[s] - step * rate  # type: ignore[operator]
+            if remaining <= 1e-12 * max(1.0, now):
+                complete(s, actions[s][cursor[s]])
+                cursor[s] += 1
+                left[s] = None
+            else:
+                left[s] = remaining
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+
+
+def _loss(output, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output, target)
+
+
+def _adam(params):
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _probe_bandwidth(rank: int, world: int, size: int, timeout: float) -> float:
+    """Bytes/s of one ``size``-byte message from rank 0 to rank 1 (half a round trip; the
+    median of 10), agreed by every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if world < 2:
+        return math.inf
+    seconds = torch.zeros(1, dtype=torch.float64)
+    if rank < 2:
+        buffer = torch.zeros(max(size // 4, 1))
+        trips = []
+        for _ in range(12):
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            trips.append(time.perf_counter() - start)
+        seconds[0] = statistics.median(trips[2:]) / 2
+    dist.broadcast(seconds, 0)
+    dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    return size / float(seconds[0])
+
+
+def _time_stage_compute() -> dict[str, float]:
+    """Accumulate the wall time of every Stage.forward/backward(_weights) in this process in the
+    returned dict's "seconds" (to tell compute slowed by sharing cores from waiting)."""
+    from pipetrain.stage import Stage
+
+    acc = {"seconds": 0.0}
+    for method in ("forward", "backward", "backward_weights"):
+        original = getattr(Stage, method, None)
+        if original is None:
+            continue
+
+        def timed(self, *args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                acc["seconds"] += time.perf_counter() - start
+
+        setattr(Stage, method, timed)
+    return acc
+
+
+def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    if opts["allocator"] == "tuned":
+        tune_malloc()
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    import torch.distributed as dist
+
+    import pipetrain
+
+    pipetrain.init_distributed("gloo", timeout=opts["timeout"])
+    try:
+        result = _measure(rank, world, opts)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, opts: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import pipetrain
+    from examples.models import resnet_like
+    from partitioner import Plan, Profile
+    from partitioner import plan as make_plan
+
+    timeout = opts["timeout"]
+    profile = Profile.from_json(opts["profile"])
+    size = max(layer.activation_bytes for layer in profile.layers[:-1])
+    bandwidth = _probe_bandwidth(rank, world, size, timeout)
+    planned = make_plan(
+        profile,
+        stages=world,
+        microbatches=opts["microbatches"],
+        schedule="1f1b",
+        bandwidth=bandwidth,
+    )
+    n = len(profile.layers)
+    uniform = [n // world + (s < n % world) for s in range(world)]
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(opts["batch"], 3, 32, 32, generator=g)
+    y = torch.randint(0, opts["classes"], (opts["batch"],), generator=g)
+
+    def build(balance: list[int] | None) -> pipetrain.Pipeline:
+        model: nn.Sequential = resnet_like(**opts["model"])
+        common = dict(loss_fn=_loss, optimizer=_adam, timeout=timeout)
+        if balance is None:  # the plan gives balance, schedule, micro-batches, checkpointing
+            return pipetrain.Pipeline(model, plan=Plan.from_json(planned.to_json()), **common)
+        return pipetrain.Pipeline(
+            model,
+            balance,
+            chunks=opts["microbatches"],
+            schedule="1f1b",
+            checkpoint="never",
+            **common,
+        )
+
+    variants = {"planned": build(None), "uniform": build(uniform)}
+    compute = _time_stage_compute()  # this rank's forward+backward seconds, per step
+
+    def block(name: str, steps: int) -> list[float]:
+        pipe = variants[name]
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+        times = []
+        for _ in range(steps):
+            compute["seconds"] = 0.0
+            start = time.perf_counter()
+            pipe.train_step(x, y)
+            times.append(time.perf_counter() - start)
+            busy[name].append(compute["seconds"])
+        worst = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return worst.tolist()
+
+    busy: dict[str, list[float]] = {name: [] for name in variants}
+
+    for name in variants:
+        block(name, opts["warmup"])
+    names = list(variants)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    rounds = []
+    for r in range(opts["rounds"]):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        this_round = {}
+        for name in order:
+            times = block(name, opts["steps"])
+            samples[name] += times
+            this_round[name] = statistics.median(times)
+        rounds.append(this_round)
+    # Per stage (rank), the median forward+backward seconds per micro-batch it spent in steps.
+    medians = torch.tensor(
+        [statistics.median(busy[name]) / opts["microbatches"] for name in names],
+        dtype=torch.float64,
+    )
+    gathered = [torch.zeros_like(medians) for _ in range(world)]
+    dist.all_gather(gathered, medians)
+    return {
+        "compute": {n: [float(g[k]) for g in gathered] for k, n in enumerate(names)},
+        "bandwidth": bandwidth,
+        "plan": planned.to_json(),
+        "balance": {"planned": planned.balance, "uniform": uniform},
+        "samples": samples,
+        "rounds": rounds,
+    }
+
+
+def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
+    try:
+        _rank_main(rank, world, port, opts, out_path)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, opts: dict, deadline: float) -> dict:
+    import torch.multiprocessing as mp
+
+    fd, out_path = tempfile.mkstemp(prefix="plan_quality_", suffix=".json")
+    os.close(fd)
+    started = time.monotonic()
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, _free_port(), opts, out_path),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() - started > deadline:
+                raise TimeoutError(f"ranks still running after --deadline={deadline:g} s")
+        return json.loads(Path(out_path).read_text())
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        os.unlink(out_path)
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def _load_report(before, after, wall: float) -> str:
+    """How busy the machine was with other work while this ran (it disturbs the timings)."""
+    import resource
+
+    if before is None or after is None:
+        return "machine load: /proc/stat unavailable"
+    hz = os.sysconf("SC_CLK_TCK")
+    ncpu = os.cpu_count() or 1
+    ours = sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
+    busy = (after[0] - before[0]) / hz
+    steal = (after[1] - before[1]) / hz
+    foreign = max(busy - ours, 0.0) / wall / ncpu
+    line = (
+        f"machine load: {ncpu} CPUs; this benchmark {ours / wall / ncpu:.0%}, other processes "
+        f"{foreign:.0%}, hypervisor steal {steal / wall / ncpu:.0%}"
+    )
+    if foreign > 0.05 or steal / wall / ncpu > 0.05:
+        line += "  <-- WARNING: other work disturbed the timings; rerun on a quiet machine"
+    return line
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _corunner(opts: dict, ready, stop) -> None:
+    """Train the model on one micro-batch in a loop until ``stop``: the load another stage
+    puts on its core while the profiled one runs."""
+    if opts["allocator"] == "tuned":
+        tune_malloc()
+    import torch
+
+    from examples.models import resnet_like
+
+    torch.set_num_threads(1)
+    model = resnet_like(**opts["model"])
+    x = torch.randn(opts["batch"] // opts["microbatches"], 3, 32, 32)
+    for step in range(1 << 30):
+        if step == 3:
+            ready.set()
+        if stop.is_set():
+            return
+        output = model(x)
+        output.backward(torch.ones_like(output))
+
+
+def _profile(opts: dict, warmup: int, repeats: int, busy: int):
+    """The profile of one micro-batch, taken while ``busy`` other processes keep the other
+    cores working on the same model (as the other stages will during the runs)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from examples.models import resnet_like
+    from pipetrain.profiler import profile
+
+    torch.set_num_threads(1)
+    ctx = mp.get_context("spawn")
+    ready, stop = [ctx.Event() for _ in range(busy)], ctx.Event()
+    others = [ctx.Process(target=_corunner, args=(opts, r, stop), daemon=True) for r in ready]
+    for proc in others:
+        proc.start()
+    try:
+        for event in ready:
+            if not event.wait(timeout=120):
+                raise TimeoutError("a co-runner did not start")
+        model = resnet_like(**opts["model"])
+        size = opts["batch"] // opts["microbatches"]
+        sample = torch.randn(size, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        return profile(model, sample, optimizer="adam", warmup=warmup, repeats=repeats)
+    finally:
+        stop.set()
+        for proc in others:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _predictions(profile, balance: list[int], opts: dict, bandwidth: float) -> tuple[float, float]:
+    """(the plan's step time for this split, the same on ``cores`` shared cores)."""
+    from pipetrain.cli import simulate_split, stage_costs
+
+    m = opts["microbatches"]
+    plain = simulate_split(profile, balance, microbatches=m, bandwidth=bandwidth).step_time
+    costs = stage_costs(profile, balance, microbatches=m, bandwidth=bandwidth)
+    shared = shared_core_step(
+        "1f1b",
+        len(balance),
+        m,
+        [c.forward for c in costs],
+        [c.backward for c in costs],
+        [c.message for c in costs[:-1]],
+        opts["cores"],
+    )
+    return plain, shared
+
+
+def _pipedream_tables(args: argparse.Namespace) -> str:
+    from partitioner import load_pipedream, plan
+    from pipetrain.cli import describe_plan, simulate_split
+
+    out = []
+    for name, batch in (("vgg16", None), ("gnmt", 64)):
+        profile = load_pipedream(name, batch)
+        kwargs = dict(microbatches=args.microbatches, bandwidth=args.pd_bandwidth)
+        result = plan(profile, stages=4, memory=args.pd_memory, **kwargs)  # type: ignore[arg-type]
+        n = len(profile.layers)
+        uniform = [n // 4 + (s < n % 4) for s in range(4)]
+        even = simulate_split(profile, uniform, **kwargs)  # type: ignore[arg-type]
+        out += [
+            f"$ pipetrain plan pipedream:{name} --stages 4 --microbatches {args.microbatches} "
+            f"--memory {args.pd_memory} --bandwidth {args.pd_bandwidth}"
+            + (f" --batch-size {batch}" if batch else ""),
+            describe_plan(result),
+            f"(uniform split {uniform} for comparison: predicted step "
+            f"{even.step_time * 1e3:.3f} ms; planned is {even.step_time / result.step_time:.2f}x "
+            "faster)",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipetrain.cli import stage_costs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="2,4", help="stage counts to run (default 2,4)")
+    ap.add_argument("--batch", type=int, default=64, help="mini-batch (default 64)")
+    ap.add_argument("--microbatches", type=int, default=8, help="per step (default 8)")
+    ap.add_argument("--model", default="{}", help="JSON kwargs of resnet_like")
+    ap.add_argument("--rounds", type=int, default=16, help="alternating rounds (default 16)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per split per round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per split first")
+    ap.add_argument("--profile-repeats", type=int, default=20, help="timed runs per layer")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores the stage processes share (default: this machine's)",
+    )
+    ap.add_argument("--pd-memory", default="16GiB", help="memory cap for (c)")
+    ap.add_argument("--pd-bandwidth", default="25GB/s", help="bandwidth for (c)")
+    ap.add_argument(
+        "--allocator",
+        default="tuned",
+        choices=["tuned", "default"],
+        help="tuned: glibc keeps freed memory (see tune_malloc); default: as glibc comes",
+    )
+    ap.add_argument(
+        "--profile-load",
+        default="busy",
+        choices=["busy", "idle"],
+        help="busy (default): profile while the other cores train the same model, as the "
+        "other stages will; idle: profile on an otherwise idle machine",
+    )
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--deadline", type=float, default=600.0, help="per launch (s)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 2 steps")
+    ap.add_argument("--json", help="also write the raw results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.profile_repeats = 2, 2, 1, 5
+    stage_counts = [int(s) for s in args.stages.split(",") if s.strip()]
+    opts = {
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "model": json.loads(args.model),
+        "classes": 10,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "timeout": args.timeout,
+        "cores": args.cores,
+        "allocator": args.allocator,
+    }
+    allocator = tune_malloc() if args.allocator == "tuned" else "default glibc malloc"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = time.monotonic()
+    load_before = _cpu_jiffies()
+    busy = max(0, min(args.cores, max(stage_counts, default=1)) - 1)
+    busy = busy if args.profile_load == "busy" else 0
+    profile = _profile(opts, warmup=3, repeats=args.profile_repeats, busy=busy)
+    opts["profile"] = profile.to_json()
+    total = sum(layer.forward + layer.backward for layer in profile.layers)
+    print(
+        f"resnet_like({args.model}) profiled on {profile.device}: {len(profile.layers)} layers, "
+        f"micro-batch {profile.batch_size}, forward+backward {total * 1e3:.2f} ms; "
+        f"mini-batch {args.batch} = {args.microbatches} micro-batches, 1f1b, Adam; "
+        f"1 torch thread per process, gloo; {args.rounds} rounds x {args.steps} steps per "
+        f"split, alternating; per step the slowest rank's time; medians; {allocator} in "
+        f"the profiling process and every rank; profiled with {busy} other core(s) busy "
+        "training the same model"
+    )
+    results = {}
+    for world in stage_counts:
+        try:
+            results[world] = _launch(world, opts, args.deadline)
+        except BaseException as error:
+            print(f"{world} stages failed: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
+    wall = time.monotonic() - started
+    load = _load_report(load_before, _cpu_jiffies(), wall)
+
+    rows = [
+        "| stages | split | balance | predicted ms (plan) | predicted ms "
+        f"({args.cores} shared cores) | measured ms median (p25-p75) | error vs plan "
+        "| error vs shared-core | samples/s |",
+        "|" + "---|" * 9,
+    ]
+    summary = []
+    compute_rows = [
+        "forward+backward ms per micro-batch per stage, profiled -> measured inside the run "
+        "(larger: the stage ran slower than profiled, e.g. cores shared with other processes)"
+    ]
+    for world, res in results.items():
+        bandwidth = res["bandwidth"]
+        medians = {}
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            times = res["samples"][name]
+            med = statistics.median(times)
+            medians[name] = med
+            plain, shared = _predictions(profile, balance, opts, bandwidth)
+            rows.append(
+                f"| {world} | {name} | {balance} | {plain * 1e3:.1f} | {shared * 1e3:.1f} | "
+                f"{med * 1e3:.1f} ({_quantile(times, 0.25) * 1e3:.1f}-"
+                f"{_quantile(times, 0.75) * 1e3:.1f}) | {(plain - med) / med:+.1%} | "
+                f"{(shared - med) / med:+.1%} | {args.batch / med:.1f} |"
+            )
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            costs = stage_costs(profile, balance, microbatches=opts["microbatches"])
+            pairs = ", ".join(
+                f"{c.compute * 1e3:.2f}->{r * 1e3:.2f}"
+                for c, r in zip(costs, res["compute"][name], strict=True)
+            )
+            compute_rows.append(f"{world} stages, {name} {balance}: {pairs}")
+        ratio = medians["uniform"] / medians["planned"]
+        paired = [r["uniform"] / r["planned"] for r in res["rounds"]]
+        low = _quantile(res["samples"]["uniform"], 0.25) / _quantile(
+            res["samples"]["planned"], 0.25
+        )
+        plan_step = json.loads(res["plan"])["step_time"]
+        err = (plan_step - medians["planned"]) / medians["planned"]
+        verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
+        line = (
+            f"{world} stages: throughput planned/uniform {ratio:.2f}x (per-round paired median "
+            f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-{max(paired):.2f}; "
+            f"ratio of the p25 step times, the least disturbed by other load, {low:.2f}x); "
+            f"target >= {TARGET_RATIO}: {verdict}. Planned step predicted "
+            f"{plan_step * 1e3:.1f} ms vs measured {medians['planned'] * 1e3:.1f} ms "
+            f"({err:+.1%}; target within {TARGET_ERROR:.0%}: "
+            f"{'PASS' if abs(err) <= TARGET_ERROR else 'FAIL'}); gloo bandwidth "
+            f"{bandwidth / 1e9:.2f} GB/s"
+        )
+        if world > args.cores:
+            shared = _predictions(profile, res["balance"]["planned"], opts, bandwidth)[1]
+            err_shared = (shared - medians["planned"]) / medians["planned"]
+            line += (
+                f". NOTE {world} processes share {args.cores} cores: the plan assumes a device "
+                f"per stage; simulated on {args.cores} shared cores it predicts "
+                f"{shared * 1e3:.1f} ms ({err_shared:+.1%}); the rest is oversubscription "
+                "(a rank woken by a message waits for a core; context switches)"
+            )
+        summary.append(line)
+    print()
+    print("(a)+(b) resnet_like, planned (DP) vs uniform split, measured")
+    print("\n".join(rows))
+    print("\n".join(summary))
+    print("\n".join(compute_rows))
+    print(load)
+    print()
+    print("(c) PipeDream profiles, 4 stages")
+    print(_pipedream_tables(args))
+    print(f"wall time {time.monotonic() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"profile": opts["profile"], **results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Example models for profiling, planning and pipelined training, each an nn.Sequential.
+
+    pipetrain profile examples.models:resnet_like --input-shape 64,3,32,32 -o profile.json
+    pipetrain profile examples.models:transformer_like --input-shape 16,64 \
+        --input-dtype int64 --input-high 8000 -o profile.json
+
+Both build deterministically from ``seed`` (torch.manual_seed), so every process of a pipeline
+builds the same weights. Their layers are deliberately uneven, which is what a planner is for:
+``resnet_like`` spends most of its time in its first, full-resolution layers and ends in a run of
+cheap layers, so splitting it by layer count puts nearly all the work on the first stage;
+``transformer_like`` has a large embedding and a large output head around cheaper blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    """GroupNorm (the default) normalises each sample on its own, so a pipeline's micro-batches
+    train exactly like the whole batch; BatchNorm's statistics would be per micro-batch."""
+    if kind == "group":
+        groups = max(g for g in range(1, 9) if channels % g == 0)
+        return nn.GroupNorm(groups, channels)
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"norm must be 'group', 'batch' or 'none', got {kind!r}")
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with a skip connection; ``stride`` 2 halves the resolution (and a
+    1x1 convolution matches the skip's shape)."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int = 1, norm: str = "group"):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.norm1 = _norm(norm, channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.norm2 = _norm(norm, channels_out)
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.skip = nn.Conv2d(channels_in, channels_out, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.norm1(self.conv1(x)))
+        y = self.norm2(self.conv2(y))
+        return torch.relu(y + self.skip(x))
+
+
+def resnet_like(
+    width: int = 16,
+    full_res_blocks: int = 2,
+    classes: int = 10,
+    in_channels: int = 3,
+    norm: str = "group",
+    seed: int = 0,
+) -> nn.Sequential:
+    """A small CNN for 32x32 images, 16 layers: a stem (conv, norm, ReLU) and
+    ``full_res_blocks`` residual blocks at full resolution (about half of the compute), two
+    downsampling blocks whose width grows more slowly than their resolution shrinks (so each
+    costs less) and one more block, then pooling and a small MLP head (many cheap layers).
+    A split by layer count puts every convolution on the first of two stages; the cut after the
+    full-resolution blocks halves the work. About 160-200 ms forward+backward for a 64x3x32x32
+    batch on one core of the 2-core development machine.
+    """
+    torch.manual_seed(seed)
+    mid, top = width + width // 2, 2 * width
+    layers: list[nn.Module] = [
+        nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
+        _norm(norm, width),
+        nn.ReLU(),
+    ]
+    layers += [ResidualBlock(width, width, norm=norm) for _ in range(full_res_blocks)]
+    layers += [
+        ResidualBlock(width, mid, stride=2, norm=norm),
+        ResidualBlock(mid, top, stride=2, norm=norm),
+        ResidualBlock(top, top, norm=norm),
+    ]
+    layers += [
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(top, 4 * top),
+        nn.ReLU(),
+        nn.Dropout(0.0),
+        nn.Linear(4 * top, top),
+        nn.ReLU(),
+        nn.Linear(top, classes),
+    ]
+    return nn.Sequential(*layers)
+
+
+class Embedding(nn.Module):
+    """Token and learned position embeddings: (batch, time) int ids -> (batch, time, dim)."""
+
+    def __init__(self, vocab: int, dim: int, context: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.randn(context, dim) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (causal self-attention and an MLP)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        y = self.norm1(x)
+        x = x + self.attention(y, y, y, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    """Final norm and the projection to the vocabulary, flattened to (batch * time, vocab) so
+    that cross_entropy takes targets of shape (batch * time,)."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.project = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(self.norm(x)).flatten(0, 1)
+
+
+def transformer_like(
+    vocab: int = 8000,
+    dim: int = 128,
+    blocks: int = 4,
+    heads: int = 4,
+    context: int = 256,
+    seed: int = 0,
+) -> nn.Sequential:
+    """A small decoder-only language model: a large embedding (vocab x dim parameters), cheap
+    blocks, and a large head (a vocab-wide projection: the most compute and the largest
+    output). Input: token ids of shape (batch, time <= context), int64."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [Embedding(vocab, dim, context)]
+    layers += [Block(dim, heads) for _ in range(blocks)]
+    layers.append(Head(dim, vocab))
+    return nn.Sequential(*layers)

@@ -1,0 +1,234 @@
+"""The `pipetrain` command: profile -> plan -> simulate, infeasible caps, PipeDream profiles and
+bad input. Commands run in-process through ``main(argv)`` (the exit status is its return value),
+except one run through ``python -m pipetrain`` to check the real entry point and status."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner import Plan, Profile
+from partitioner.pipedream import DATA_DIR
+from pipetrain.cli import main
+from pipetrain.planning import layer_signature
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "examples.models:resnet_like"
+TINY = """--input-shape 4,3,8,8 --kwargs '{"width": 8}' --warmup 0 --repeats 1"""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
+    them); the process's setting is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    """`examples.models` is found as `python -m` finds it: from the current directory."""
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "profile.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        assert main(shlex.split(f"profile {MODEL} {TINY} --optimizer adam -o {path}")) == 0
+    return path
+
+
+def run(command: str, capsys) -> tuple[int, str, str]:
+    """``pipetrain COMMAND`` (split as a shell would): exit status, stdout, stderr."""
+    code = main(shlex.split(command))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_profile_names_layers_as_the_model_does(profile_path):
+    from examples.models import resnet_like
+
+    profile = Profile.load(profile_path)
+    names, counts = layer_signature(resnet_like(width=8))
+    assert profile.names == names
+    assert [layer.param_count for layer in profile.layers] == counts
+    assert profile.batch_size == 4
+    assert profile.input_bytes == 4 * 3 * 8 * 8 * 4
+    first = profile.layers[0]
+    assert first.activation_bytes == 4 * 8 * 8 * 8 * 4  # Conv2d(3, 8) output, fp32
+    assert all(layer.optimizer_state_bytes == 2 * layer.param_bytes for layer in profile.layers)
+    assert all(layer.forward > 0 for layer in profile.layers)
+    assert all(layer.backward > 0 for layer in profile.layers[1:])
+
+
+def test_profile_plan_simulate_agree(profile_path, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    code, out, err = run(
+        f"plan {profile_path} --stages 2 --microbatches 4 --memory 1GiB --bandwidth 1GB/s "
+        f"-o {plan_path}",
+        capsys,
+    )
+    assert code == 0, err
+    plan = Plan.load(plan_path)
+    assert plan.stages == 2 and plan.microbatches == 4 and plan.microbatch_size == 4
+    assert sum(plan.balance) == 16
+
+    # Every stage row of the table carries the plan's numbers.
+    row = r"^\s+(\d+)\s+(\d+)-(\d+)\s+(\S+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$"
+    rows = {int(m.group(1)): m for m in re.finditer(row, out, re.M)}
+    assert sorted(rows) == [0, 1]
+    for t, stage in enumerate(plan.per_stage):
+        row = rows[t]
+        assert (int(row.group(2)), int(row.group(3)) + 1) == tuple(stage.layers)
+        assert row.group(5) == f"{sum(stage.param_counts):,}"
+        assert row.group(6) == f"{stage.compute_time * 1e3:.3f}"
+        assert row.group(7) == f"{stage.transfer_time * 1e3:.3f}"
+        assert row.group(8) == f"{stage.memory_bytes / 2**30:.3f}"
+    assert f"step {plan.step_time * 1e3:.3f} ms" in out
+    assert f"bubble {plan.bubble_fraction:.1%}" in out
+    assert f"{plan.samples_per_second:,.1f} samples/s" in out
+    assert f"balance {plan.balance}" in out
+
+    # Simulating the plan, or the profile split the same way, predicts the plan's step.
+    step = f"predicted step time {plan.step_time * 1e3:.3f} ms"
+    code, out, err = run(f"simulate {plan_path}", capsys)
+    assert code == 0, err
+    assert step in out and f"bubble fraction {plan.bubble_fraction:.1%}" in out
+    assert "peak in-flight micro-batches per stage: [2, 1]" in out  # 1f1b, 2 stages
+    balance = ",".join(map(str, plan.balance))
+    split = f"simulate {profile_path} --balance {balance} --microbatches 4"
+    code, out, err = run(f"{split} --bandwidth 1GB/s", capsys)
+    assert code == 0, err
+    assert step in out
+    code, out, err = run(f"{split} --schedule gpipe", capsys)
+    assert code == 0, err
+    assert "peak in-flight micro-batches per stage: [4, 4]" in out
+
+
+def test_infeasible_cap_names_a_cap_that_works(profile_path, tmp_path, capsys):
+    args = f"plan {profile_path} --stages 3 --microbatches 4"
+    code, out, err = run(f"{args} --memory 10kB", capsys)
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    found = re.search(r"smallest memory cap that fits: --memory (\d+)", err)
+    assert found, err
+    cap = int(found.group(1))
+    code, out, err = run(f"{args} --memory {cap} -o {tmp_path / 'p.json'}", capsys)
+    assert code == 0, err
+    assert max(s.memory_bytes for s in Plan.load(tmp_path / "p.json").per_stage) <= cap
+    assert run(f"{args} --memory {cap - 1}", capsys)[0] == 2  # and it is the smallest
+
+
+def test_plan_pipedream_profiles(tmp_path, capsys):
+    out_path = tmp_path / "vgg.json"
+    options = "--stages 4 --microbatches 8 --bandwidth 25GB/s"
+    code, out, err = run(f"plan pipedream:vgg16 {options} -o {out_path}", capsys)
+    assert code == 0, err
+    by_name = Plan.load(out_path)
+    assert by_name.stages == 4 and sum(by_name.balance) == 40
+    assert by_name.microbatch_size == 128  # inferred from the fp32 224x224 input
+    assert f"step {by_name.step_time * 1e3:.3f} ms" in out
+
+    graph = tmp_path / "graph.txt"  # the same profile, as a file
+    shutil.copy(DATA_DIR / "vgg16.graph.txt", graph)
+    code, out, err = run(f"plan {graph} {options} --batch-size 128", capsys)
+    assert code == 0, err
+    assert f"balance {by_name.balance}" in out
+
+    code, out, err = run(f"plan pipedream:gnmt {options}", capsys)
+    assert code == 2 and "batch" in err  # GNMT's profile does not record its batch size
+    code, out, err = run(f"plan pipedream:gnmt {options} --batch-size 64", capsys)
+    assert code == 0, err
+    code, out, err = run(f"plan pipedream:nosuch {options}", capsys)
+    assert code == 2 and "vgg16" in err  # lists the shipped ones
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("no_such_module:build", "cannot import 'no_such_module'"),
+        ("examples.models:nope", "has no function 'nope'; it has: "),
+        ("examples.models", "expected MODULE:FUNCTION"),
+        ("missing/file.py:build", "no such file: missing/file.py"),
+    ],
+)
+def test_bad_module_path(target, expected, capsys):
+    code, out, err = run(f"profile {target} --input-shape 2,3", capsys)
+    assert code == 2
+    assert expected in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bad_inputs_exit_2_with_one_line(profile_path, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    split = "--stages 2 --microbatches 2"
+    assert run(f"plan {profile_path} {split} -o {plan_path}", capsys)[0] == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "pipetrain-profile", "version": 99, "layers": []}))
+    cases = [
+        (f"profile {MODEL} --input-shape 4,x3", "--input-shape must be positive integers"),
+        # The model rejects 5 input channels: the message names the layer and the input.
+        (f"profile {MODEL} {TINY} --input-shape 4,5,8,8", "layer 0 (0:Conv2d) failed on an input"),
+        (f"profile {MODEL} {TINY} --kwargs '{{\"widht\": 8}}'", "unexpected keyword argument"),
+        (f"profile {MODEL} {TINY} --input-dtype int64", "needs --input-high"),
+        (f"profile {MODEL} {TINY} --input-dtype floaty", "unknown --input-dtype 'floaty'"),
+        (f"plan missing.json {split}", "no such file"),
+        (f"plan {plan_path} {split}", "is a plan"),
+        (f"plan {bad} {split}", "version 99 is not supported"),
+        (f"plan {profile_path} {split} --bandwidth fast", "cannot read 'fast' as a bandwidth"),
+        (f"plan {profile_path} --stages 40 --microbatches 2", "use at most 16 stages"),
+        (f"simulate {profile_path} --balance 3,3 --microbatches 2", "the profile's 16 layers"),
+        (f"simulate {profile_path} --microbatches 2", "needs --balance"),
+    ]
+    for command, expected in cases:
+        code, out, err = run(command, capsys)
+        assert code == 2, command
+        assert expected in err, (command, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_integer_inputs_profile_a_language_model(tmp_path, capsys):
+    path = tmp_path / "lm.json"
+    kwargs = '{"vocab": 50, "dim": 16, "blocks": 2, "heads": 2, "context": 8}'
+    code, out, err = run(
+        f"profile examples.models:transformer_like --input-shape 2,6 --input-dtype int64 "
+        f"--input-high 50 --kwargs '{kwargs}' --optimizer sgd --warmup 0 --repeats 1 -o {path}",
+        capsys,
+    )
+    assert code == 0, err
+    profile = Profile.load(path)
+    assert [layer.name for layer in profile.layers] == [
+        "0:Embedding",
+        "1:Block",
+        "2:Block",
+        "3:Head",
+    ]
+    assert profile.layers[-1].activation_bytes == 2 * 6 * 50 * 4
+    assert profile.layers[0].backward > 0  # the embedding's weights get gradients
+    assert all(layer.optimizer_state_bytes == 0 for layer in profile.layers)
+
+
+def test_module_entry_point_exit_status(tmp_path):
+    command = "plan pipedream:alexnet --stages 2 --microbatches 2 --memory 1MB"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipetrain", *command.split()],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("pipetrain plan: error: infeasible: ")
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -1,0 +1,81 @@
+"""pipetrain.profiler.profile: what it records per layer, and that it leaves the model alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from examples.models import resnet_like
+from pipetrain.planning import layer_signature
+from pipetrain.profiler import profile
+from tests.runtime.models import mlp
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
+    them); the process's setting is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tuples_cross_layers_and_only_grad_outputs_get_gradients():
+    model = mlp(width=6)  # Fork emits (x, detached copy, int labels); Join takes them back
+    x = torch.randn(5, 6)
+    result = profile(model, x, optimizer="momentum", warmup=0, repeats=1)
+    names, counts = layer_signature(model)
+    assert result.names == names and [layer.param_count for layer in result.layers] == counts
+    fork = result.layers[3]
+    assert fork.name == "3:Fork"
+    assert fork.activation_bytes == 5 * 6 * 4 * 2 + 5 * 8  # two fp32 tensors and int64 labels
+    assert result.batch_size == 5 and result.input_bytes == 5 * 6 * 4
+    for layer in result.layers:
+        assert layer.param_bytes == 4 * layer.param_count
+        assert layer.optimizer_state_bytes == layer.param_bytes  # one momentum buffer
+
+
+def test_tuple_input_in_place_layers_and_frozen_parameters():
+    class Add(nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1]
+
+    model = nn.Sequential(Add(), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    model[2].bias.requires_grad_(False)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    result = profile(model, (a, b), optimizer="adam", warmup=1, repeats=2)
+    assert result.batch_size == 3 and result.input_bytes == 2 * 3 * 4 * 4
+    assert [layer.backward for layer in result.layers[:2]] == [0.0, 0.0]  # nothing needs grad
+    assert result.layers[2].backward > 0 and result.layers[3].backward > 0
+    linear = result.layers[2]
+    assert linear.param_bytes == 20 * 4 and linear.optimizer_state_bytes == 2 * 16 * 4
+    assert torch.equal(a + b, model[0]((a, b)))  # the in-place layers left the input alone
+
+
+def test_a_failing_layer_is_named():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(5, 2))
+    with pytest.raises(ValueError, match=r"layer 2 \(2:Linear\) failed on an input of \(3, 4\)"):
+        profile(model, torch.randn(3, 4), warmup=0, repeats=1)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        profile(model, torch.randn(3, 4), optimizer="lion")
+
+
+def test_profile_leaves_the_model_as_it_was():
+    net = resnet_like(width=8, norm="batch").eval()
+    before = copy.deepcopy(net.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    rng = torch.get_rng_state()
+    profile(net, x, warmup=1, repeats=1)
+    assert not net.training and all(p.grad is None for p in net.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())  # BN stats too
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_example_models_build_deterministically():
+    for build in (lambda: resnet_like(width=8), lambda: mlp()):
+        a, b = build().state_dict(), build().state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)

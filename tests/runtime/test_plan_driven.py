@@ -1,0 +1,143 @@
+"""A plan file drives the runtime: profile a real model, plan it, and train it from the plan in
+one process (a thread per stage) and across two gloo processes; the parameters must equal
+single-process training (max abs diff 1e-5, as in test_distributed.py). A plan made for another
+model is refused, naming the difference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from examples.models import resnet_like
+from partitioner import PlanMismatchError
+from partitioner import plan as make_plan
+from pipetrain.profiler import profile
+from tests.runtime.harness import run_ranks, values
+
+TOLERANCE = 1e-5
+WIDTH, BATCH, SIDE, CHUNKS, STEPS = 8, 8, 8, 4, 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
+    them); the process's setting is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model() -> nn.Sequential:
+    return resnet_like(width=WIDTH)  # GroupNorm: micro-batches train like the whole batch
+
+
+def data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(BATCH, 3, SIDE, SIDE, generator=g),
+            torch.randint(0, 10, (BATCH,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory):
+    measured = profile(model(), torch.randn(BATCH // CHUNKS, 3, SIDE, SIDE), warmup=0, repeats=1)
+    plan = make_plan(measured, stages=2, microbatches=CHUNKS, schedule="1f1b")
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.save(path)
+    return path
+
+
+def reference() -> tuple[dict, list[float]]:
+    net, losses = model(), []
+    opt = sgd(net.parameters())
+    for x, y in data():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return net.state_dict(), losses
+
+
+def assert_same_state(state: dict, expected: dict) -> None:
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        assert (state[key] - value).abs().max().item() <= TOLERANCE, key
+
+
+def test_plan_drives_an_in_process_pipeline(plan_path):
+    pipe = pipetrain.Pipeline(
+        model(),
+        plan=plan_path,
+        devices=["cpu", "cpu"],
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=sgd,
+    )
+    plan = pipetrain.planning.load_plan(plan_path, model())
+    assert pipe.balance == plan.balance and pipe.chunks == CHUNKS
+    assert pipe.schedule.name == "1f1b"
+    losses = [pipe.train_step(x, y) for x, y in data()]
+    expected_state, expected_losses = reference()
+    assert_same_state(pipe.module.state_dict(), expected_state)
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+
+
+def _train_from_plan(rank: int, world: int, path: str) -> dict:
+    pipe = pipetrain.Pipeline(
+        model(), plan=path, loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60
+    )
+    losses = [pipe.train_step(x, y) for x, y in data()]
+    return {"state": pipe.module.state_dict(), "losses": losses, "balance": pipe.balance}
+
+
+def test_plan_drives_two_gloo_processes(plan_path):
+    per_rank = values(run_ranks(_train_from_plan, 2, str(plan_path), deadline=90))
+    state = {**per_rank[0]["state"], **per_rank[1]["state"]}
+    expected_state, expected_losses = reference()
+    assert_same_state({k: state[k] for k in expected_state}, expected_state)
+    assert len(state) == len(expected_state)
+    for result in per_rank:
+        assert result["losses"] == pytest.approx(expected_losses, abs=1e-6)
+    assert len(per_rank[0]["state"]) > 0 and len(per_rank[1]["state"]) > 0
+
+
+def _swap_layer(net: nn.Sequential) -> nn.Sequential:
+    net[2] = nn.GELU()  # was ReLU
+    return net
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (lambda: _swap_layer(model()), r"layer 2 is named '2:GELU' in the model but '2:ReLU'"),
+        (
+            lambda: resnet_like(width=WIDTH, classes=7),
+            r"layer 15 \('15:Linear'\) has 119 parameters in the model but 170 in the plan",
+        ),
+        (
+            lambda: nn.Sequential(*list(model())[:-1]),
+            r"the model has 15 layers but the plan was made for 16 layers",
+        ),
+    ],
+    ids=["changed-layer", "param-count", "layer-count"],
+)
+def test_a_plan_for_another_model_is_refused(plan_path, other, message):
+    with pytest.raises(PlanMismatchError, match=message):
+        pipetrain.Pipeline(
+            other(),
+            plan=plan_path,
+            devices=["cpu", "cpu"],
+            loss_fn=nn.functional.cross_entropy,
+            optimizer=sgd,
+        )
