@@ -421,7 +421,40 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
     if note:
         rows.append(note)
+    if args.png:
+        from pipetrain.gantt import draw
+
+        picture = draw([(f"simulated {schedule}", result.timeline)], args.png)
+        rows.append(f"timeline picture: {picture}")
     print("\n".join(rows))
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Merge a run's per-rank traces; draw the measured step beside its simulated twin."""
+    from pipetrain.trace import report
+
+    result = report(args.folder, png=not args.no_png, step=args.step)
+    print(
+        f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
+        f"bubble {result['measured_bubble']:.1%}, simulated {result['simulated_bubble']:.1%} "
+        "(with the measured forward/backward times and free transfers)"
+    )
+    print(f"Chrome/Perfetto trace: {result['trace']}")
+    if "picture" in result:
+        print(f"timeline picture: {result['picture']}")
+    return 0
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Save the newest checkpoint in a folder as one plain state_dict of the whole model."""
+    import torch
+
+    from pipetrain.checkpointing import consolidate
+
+    state = consolidate(args.folder)
+    torch.save(state, args.output)
+    print(f"{len(state)} tensors of the whole model written to {args.output}")
     return 0
 
 
@@ -517,8 +550,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", help="layers per stage, e.g. 3,5 (for a profile)")
     p.add_argument("--microbatches", type=int)
     p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
+    p.add_argument("--png", help="draw the simulated timeline here (needs matplotlib)")
     _add_planning_options(p)
     p.set_defaults(run=cmd_simulate)
+
+    p = sub.add_parser(
+        "trace",
+        help="merge a traced run into a Chrome trace and a timeline picture",
+        description="FOLDER holds trace-rank*.json from Pipeline(trace=FOLDER) or "
+        "PIPETRAIN_TRACE=FOLDER. Writes FOLDER/trace.json (Chrome/Perfetto) and "
+        "FOLDER/timeline.png (the measured step above its simulated twin).",
+    )
+    p.add_argument("folder")
+    p.add_argument("--step", type=int, default=-1, help="which step to draw (default: the last)")
+    p.add_argument("--no-png", action="store_true", help="skip the picture")
+    p.set_defaults(run=cmd_trace)
+
+    p = sub.add_parser(
+        "consolidate",
+        help="turn a pipeline checkpoint into one plain state_dict",
+        description="Read the newest checkpoint in FOLDER (from Pipeline.save or "
+        "checkpoint_dir=...) and save the whole model's state_dict, loadable into the original "
+        "nn.Sequential.",
+    )
+    p.add_argument("folder")
+    p.add_argument("-o", "--output", required=True, help="where to torch.save the state_dict")
+    p.set_defaults(run=cmd_consolidate)
     return parser
 
 

@@ -232,3 +232,37 @@ def test_module_entry_point_exit_status(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("pipetrain plan: error: infeasible: ")
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_trace_and_consolidate_verbs(tmp_path, capsys):
+    import torch
+
+    from pipetrain import Pipeline
+    from pipetrain.cli import main
+    from tests.runtime.models import batches, mlp, sgd
+
+    pipe = Pipeline(mlp(), [6, 6], chunks=4, devices=["cpu", "cpu"], trace=tmp_path / "t",
+                    loss_fn=torch.nn.functional.cross_entropy, optimizer=sgd)
+    for x, y in batches(2):
+        pipe.train_step(x, y)
+    pipe.save_trace()
+    pipe.save(tmp_path / "ckpt")
+    assert main(["trace", str(tmp_path / "t"), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks, 2 steps traced" in out and (tmp_path / "t" / "trace.json").exists()
+    assert main(["consolidate", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.pt")]) == 0
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(state) == list(mlp().state_dict())
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    assert "no trace-rank*.json" in capsys.readouterr().err
+
+
+def test_simulate_draws_the_timeline(tmp_path, capsys):
+    from pipetrain.cli import main
+
+    png = tmp_path / "sim.png"
+    code = main(["simulate", "pipedream:vgg16", "--balance", "10,10,10,10", "--microbatches",
+                 "4", "--png", str(png)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert png.stat().st_size > 10_000 and "timeline picture" in out.out
