@@ -7,6 +7,7 @@ loss; one torch thread per rank; two processes joined by gloo, started by this s
 Variants, measured side by side in one run, round-robin (the order rotates every round):
 
   pipetrain-1f1b / pipetrain-gpipe   pipetrain.Pipeline(..., schedule=...), checkpoint="never"
+  pipetrain-1f1b-traced              the same 1F1B with tracing on (Pipeline(trace=tmpdir))
   torch-1f1b / torch-gpipe           torch.distributed.pipelining Schedule1F1B / ScheduleGPipe
                                      on PipelineStage (manual split, same halves, same loss)
   single-process                     the whole model, whole batch, one thread, on rank 0 while
@@ -46,6 +47,7 @@ WIDTH, BLOCKS, BATCH, CHUNKS, STAGES = 1024, 16, 256, 8, 2
 LR = 1e-3
 VARIANTS = (
     "pipetrain-1f1b",
+    "pipetrain-1f1b-traced",
     "pipetrain-gpipe",
     "torch-1f1b",
     "torch-gpipe",
@@ -102,7 +104,7 @@ class _Variant:
 
 
 class _PipetrainVariant(_Variant):
-    def __init__(self, schedule: str, x, y, timeout: float):
+    def __init__(self, schedule: str, x, y, timeout: float, trace: str | None = None):
         import pipetrain
 
         self.pipe = pipetrain.Pipeline(
@@ -114,6 +116,7 @@ class _PipetrainVariant(_Variant):
             loss_fn=_mse,
             optimizer=_sgd,
             timeout=timeout,
+            trace=trace,
         )
         self.x, self.y = x, y
 
@@ -236,6 +239,9 @@ def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
     wanted = opts["variants"]
     builders = {
         "pipetrain-1f1b": lambda: _PipetrainVariant("1f1b", x, y, timeout),
+        "pipetrain-1f1b-traced": lambda: _PipetrainVariant(
+            "1f1b", x, y, timeout, trace=tempfile.mkdtemp(prefix="pipetrain-trace-")
+        ),
         "pipetrain-gpipe": lambda: _PipetrainVariant("gpipe", x, y, timeout),
         "torch-1f1b": lambda: _TorchVariant("1f1b", rank, x, y),
         "torch-gpipe": lambda: _TorchVariant("gpipe", rank, x, y),
