@@ -33,8 +33,10 @@ class GradientSync:
         scale: float,
         timeout: float,
         bucket_bytes: int = BUCKET_BYTES,
+        overlap: bool = True,
     ):
         self.group, self.scale, self.timeout = group, scale, timeout
+        self.overlap = overlap  # False: reduce everything in finish(), after the backward
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes
         for p in reversed(list(params)):  # backward produces the last layers' gradients first
@@ -64,6 +66,10 @@ class GradientSync:
 
     def arm(self) -> None:
         """The next backward is the last of the mini-batch: reduce buckets as they complete."""
+        if self.overlap:
+            self._start()
+
+    def _start(self) -> None:
         self._armed = True
         self._pending = [len(bucket) for bucket in self.buckets]
         self._launched = {}
@@ -91,7 +97,7 @@ class GradientSync:
     def finish(self) -> None:
         """Reduce whatever has not been launched yet, wait for all, write the results back."""
         if not self._armed:
-            self.arm()  # no backward ran (e.g. a stage without gradients this step)
+            self._start()  # not overlapping, or no backward ran this step
         for k in range(len(self.buckets)):
             if k not in self._launched:
                 self._launch(k)
