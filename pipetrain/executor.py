@@ -70,13 +70,22 @@ class Executor:
         timeout: float,
         training: bool = True,
         recorder: Recorder | None = None,
+        base: int = 0,
+        carry: dict | None = None,
     ):
+        """``base`` and ``carry`` serve asynchronous schedules, whose micro-batches outlive a
+        call: the stages know micro-batch i of this list as ``base + i`` (a global number), and
+        ``carry`` (the same dict on every call of this rank) keeps the boundary shapes of the
+        micro-batches still in flight and the sends a peer receives only in its next call."""
         self.stages = {stage.index: stage for stage in stages}
+        self.base, self.carry = base, carry if carry is not None else {}
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.training, self.recorder = timeout, training, recorder
         self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
+        if schedule.asynchronous:
+            self.chunks = schedule.microbatches
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
         # Each stage's gradient syncs arm before its last action that makes weight gradients.
         grads = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
@@ -117,7 +126,10 @@ class Executor:
                     self.recorder.record(action, start, end)
                 for send in outgoing or ():  # after the span ends: a peer may start at once
                     self._post(*send)
-            self._finish_sends()
+            if self.schedule.asynchronous and self.training:
+                self._carry_sends()
+            else:
+                self._finish_sends()
         except PeerError as error:
             self.transport.abort(f"{self._where()} stopped: {error}")
             raise
@@ -137,6 +149,9 @@ class Executor:
 
     def _metas(self, action: Action) -> tuple[TensorMeta, ...] | None:
         """Shapes of what ``action`` receives, or None while they are still unknown."""
+        if action.kind is Kind.RECV_GRAD and self.schedule.asynchronous:
+            known = self.carry.get((action.stage, self.base + action.microbatch))
+            return None if known is None else known.grad_metas
         if action.kind is Kind.RECV_GRAD:
             out = self._out_meta.get(action.stage)
             return None if out is None else out.grad_metas
@@ -159,6 +174,9 @@ class Executor:
             self._next_recv += 1
 
     def _tag(self, action: Action, header: bool = False) -> int:
+        if self.schedule.asynchronous:  # tag by global number: a message may cross calls
+            cycle = self.schedule.microbatches + self.schedule.stages
+            action = Action(action.kind, action.stage, (self.base + action.microbatch) % cycle)
         return tag(action, self.schedule.stages, header)
 
     def _wait(self, action: Action, handle: Handle) -> list[torch.Tensor]:
@@ -222,7 +240,8 @@ class Executor:
             if self._targets is None:
                 raise ValueError("the last stage needs the target: pass y to train_step")
             target = self._targets[i]
-        output = stage.forward(i, inputs, value, target, self.chunks, self.training)
+        key = self.base + i
+        output = stage.forward(key, inputs, value, target, self.chunks, self.training)
         if stage.is_last:
             if not self.training:
                 self._outputs.append(output)
@@ -242,6 +261,8 @@ class Executor:
                 "same shapes and dtypes at a stage boundary (shapes may change between "
                 "mini-batches)"
             )
+        if self.schedule.asynchronous and self.training:
+            self.carry[action.stage, key] = meta
         outgoing.append((send, [t.detach() for t in tensors], False))
         return outgoing
 
@@ -250,7 +271,8 @@ class Executor:
         grads: list[torch.Tensor] = []
         if not stage.is_last:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
-        input_grads = stage.backward(i, grads)
+        input_grads = stage.backward(self.base + i, grads)
+        self.carry.pop((action.stage, self.base + i), None)
         if stage.is_first:
             return []
         return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
@@ -259,6 +281,9 @@ class Executor:
         self.stages[action.stage].backward_weights(action.microbatch)
 
     def _do_step(self, action: Action) -> None:
+        if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
+            self.stages[action.stage].step()
+            return
         self._finish_sends()
         stage = self.stages[action.stage]
         for sync in stage.syncs:
@@ -285,6 +310,20 @@ class Executor:
         """Already posted when the forward ended (see the module docstring)."""
 
     _do_send_grad = _do_send_act
+
+    def _carry_sends(self) -> None:
+        """Asynchronous lists: a send may be received in the peer's NEXT call (a backward of
+        this call's last micro-batches), so this call waits only for the sends of the previous
+        one, which the peer has received by now, and carries its own. A flush (no forwards)
+        waits for everything: its peer receives all of it in the flush."""
+        previous = self.carry.pop("sends", [])
+        mine, self._sends = self._sends, previous
+        self._finish_sends()
+        if any(a.kind is Kind.FORWARD for a in self.actions):
+            self.carry["sends"] = mine
+        else:
+            self._sends = mine
+            self._finish_sends()
 
     def _finish_sends(self) -> None:
         for action, handle in self._sends:

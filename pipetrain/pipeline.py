@@ -34,10 +34,13 @@ from pipetrain.progress import Progress, logger, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
-from schedules import GENERATORS, Kind, Schedule, build, validate
+from pipetrain.weights import WeightVersions, check_predictable
+from schedules import GENERATORS, Kind, Schedule, build, drain, for_call, validate
 from schedules.generators import MULTI_STAGE_PER_RANK
 
-RUNNABLE = frozenset({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"})  # the executor runs
+RUNNABLE = frozenset(  # the executor runs
+    {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw"}
+)
 
 
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
@@ -66,7 +69,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     actions = {r: tuple(a for a in ops if a.kind in keep) for r, ops in schedule.actions.items()}
     return Schedule(
         schedule.name + "-forward", schedule.stages, schedule.microbatches, actions,
-        schedule.placement,
+        schedule.placement, schedule.lag, schedule.update_every,
     )
 
 
@@ -112,6 +115,13 @@ class Pipeline:
     k * stages + s, and each stage's replicas average their gradients before every optimizer
     step. With ``devices`` every stage runs here, stage s on ``devices[s]``. Weights shared by
     layers on different stages stay identical: their gradients are summed across those stages.
+
+    Asynchronous schedules ("pipedream", "pipedream-2bw"; see schedules/asynchronous.py) never
+    flush between train_steps: ``weight_stashing`` (default True) makes a micro-batch's forward
+    and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
+    "msnag" or None) runs both on the weights predicted after the stage's lag instead
+    (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
+    inconsistent variant. ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
     """
 
     def __init__(
@@ -135,6 +145,8 @@ class Pipeline:
         progress: bool | int = False,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
+        weight_stashing: bool = True,
+        weight_prediction: str | None = None,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -150,7 +162,19 @@ class Pipeline:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
         chunks = 1 if chunks is None else chunks
         schedule = schedule or "1f1b"
-        checkpoint = checkpoint or "except_last"
+        asynchronous = schedule in ("pipedream", "pipedream-2bw")
+        if asynchronous and checkpoint not in (None, "never"):
+            raise ValueError(
+                f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
+                f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
+                "weights instead: use checkpoint='never'"
+            )
+        if not asynchronous and (weight_prediction is not None or not weight_stashing):
+            raise ValueError(
+                "weight_stashing and weight_prediction apply to the asynchronous schedules "
+                f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
+            )
+        checkpoint = checkpoint or ("never" if asynchronous else "except_last")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
@@ -175,6 +199,9 @@ class Pipeline:
         self.schedule = build(schedule, len(parts), chunks, ranks=nranks)
         validate(self.schedule)
         self._evaluation = forward_only(self.schedule)
+        self._calls = 0  # asynchronous: train_steps since the last flush
+        self._fed = 0  # asynchronous: micro-batches fed so far (their global numbers)
+        self._call_lists: dict[int, Schedule] = {}
         self._failed: str | None = None
         rank_of = self.schedule.rank_of
 
@@ -227,6 +254,23 @@ class Pipeline:
                 )
             self.transports = [DistributedTransport(p2p, ranks, device)]
             self._ranks, self._group = ranks, p2p
+        if self.schedule.asynchronous:
+            if ties or (self._threads is None and self.placement.replicas > 1):
+                raise ValueError(
+                    f"schedule {schedule!r} does not support data-parallel replicas or weights "
+                    "tied across stages yet; use a synchronous schedule for those"
+                )
+            policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
+            for stage in self.stages:
+                if weight_prediction is not None:
+                    check_predictable(stage.optimizer, weight_prediction)
+                stage.versions = WeightVersions(
+                    stage._weights, stage.optimizer, self.schedule.lag[stage.index],
+                    self.schedule.update_every, policy, weight_prediction or "momentum",
+                )
+                if schedule == "pipedream":
+                    stage.loss_divisor = 1  # every micro-batch is an update of its own
+        self._carry: list[dict] = [{} for _ in self.transports]
         self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
         self._recorders = (
             self._start_tracing() if self._trace_dir else [None] * len(self.transports)
@@ -271,11 +315,25 @@ class Pipeline:
 
     def train_step(self, x: microbatch.Batch | None, y: microbatch.Batch | None) -> float:
         """Run one mini-batch through every micro-batch's forward and backward, then one
-        optimizer step per stage. Returns the mini-batch's mean loss on every rank."""
-        for stage in self.stages:
-            stage.zero_grad()
+        optimizer step per stage. Returns the mini-batch's mean loss on every rank.
+
+        Under an asynchronous schedule it feeds the mini-batch into the pipeline and runs the
+        backwards (and updates) that are due, those of earlier mini-batches included, without
+        waiting for this one's to finish. The loss returned is still THIS mini-batch's mean loss:
+        the last stage has no lag, so every micro-batch fed here finishes its loss in this call
+        (computed with the weights each stage had, or was predicted to have, at its forward)."""
         start = time.perf_counter()
-        executors = self._run(self.schedule, x, y, training=True)
+        if self.schedule.asynchronous:
+            for stage in self.stages:
+                stage.losses.clear()
+            executors = self._run(self._call_list(self._calls), x, y, training=True)
+            self._calls += 1
+            self._fed += self.chunks
+        else:
+            for stage in self.stages:
+                stage.zero_grad()
+            start = time.perf_counter()  # zeroing the gradients is no part of the step
+            executors = self._run(self.schedule, x, y, training=True)
         step_time = time.perf_counter() - start
         last = self.stages[-1]
         loss = torch.zeros((), dtype=torch.float64, device=last.device)
@@ -289,10 +347,33 @@ class Pipeline:
             self.save(self._checkpoint_dir)
         return value
 
+    def _call_list(self, call: int) -> Schedule:
+        """The list of the call-th train_step since the last flush (cached: from the call at
+        which every stage's warm-up is over, the lists are all the same)."""
+        call = min(call, -(-self.schedule.stages // self.chunks))
+        if call not in self._call_lists:
+            self._call_lists[call] = for_call(self.schedule, call)
+        return self._call_lists[call]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether micro-batches are still in the pipeline (asynchronous schedules only)."""
+        return self.schedule.asynchronous and self._calls > 0
+
+    def flush(self) -> None:
+        """Drain an asynchronous pipeline: run every in-flight micro-batch's backward and its
+        update, so that the weights are settled. Every rank calls it; a no-op when nothing is in
+        flight (always, for synchronous schedules). The next train_step warms up again."""
+        if not self.in_flight:
+            return
+        self._run(drain(self.schedule, self._calls), None, None, training=True)
+        self._calls = 0
+
     def save(self, folder: str | os.PathLike) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
-        previous one whole."""
+        previous one whole. An asynchronous pipeline is flushed first."""
+        self.flush()
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
         return checkpointing.save(
@@ -302,6 +383,7 @@ class Pipeline:
     def load(self, folder: str | os.PathLike) -> int | None:
         """Restore the newest checkpoint in ``folder`` (made under any balance); return its
         step, or None if there is none. Every rank calls it."""
+        self.flush()  # an asynchronous pipeline settles before its weights are replaced
         step = checkpointing.load(folder, self.stages)
         if step is not None:
             self.step = step
@@ -344,7 +426,9 @@ class Pipeline:
 
     def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
         """Forward only, in eval mode and without gradients; the output on the last stage
-        (None elsewhere)."""
+        (None elsewhere). An asynchronous pipeline is flushed first: evaluation sees settled
+        weights."""
+        self.flush()
         modes = [stage.module.training for stage in self.stages]
         for stage in self.stages:
             stage.module.eval()
@@ -386,9 +470,10 @@ class Pipeline:
             Executor(
                 [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
                 self.timeout, training, recorder if training else None,
+                base=self._fed if training else 0, carry=carry,
             )
-            for rank, transport, recorder in zip(
-                here, self.transports, self._recorders, strict=True
+            for rank, transport, recorder, carry in zip(
+                here, self.transports, self._recorders, self._carry, strict=True
             )
         ]
         try:

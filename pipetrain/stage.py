@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from pipetrain.batchnorm import gathering_statistics
 from pipetrain.data_parallel import GradientSync
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
+from pipetrain.weights import WeightVersions
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -47,6 +49,19 @@ class _Stashed:
     # split backward: per layer with weights, (its output tensors, its weights); B fills in
     # the output gradients and W backpropagates each layer from them to its weights alone
     cuts: list[tuple[list[torch.Tensor], list[nn.Parameter]]] = field(default_factory=list)
+
+
+class _Runner(nn.Module):
+    """Wraps a stage's slice so that ``torch.func.functional_call`` swaps its weights while the
+    stage runs it layer by layer (its errors still name the layer)."""
+
+    def __init__(self, body: nn.Module, run: Callable[..., object]):
+        super().__init__()
+        self.body = body
+        self._run = run
+
+    def forward(self, value: object, target: object = None) -> object:
+        return self._run(value, target=target)
 
 
 class Stage:
@@ -80,6 +95,7 @@ class Stage:
         self.syncs: list[GradientSync] = []  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
+        self._targets: dict[int, tuple[object, object]] = {}  # "stale" recomputation inputs
         self.losses: dict[int, torch.Tensor] = {}
         # Split backward (schedules with W): B computes input gradients, W weight gradients.
         self.split_backward = split_backward
@@ -90,6 +106,24 @@ class Stage:
         # else (and for recomputed micro-batches) W backpropagates the stage's outputs again.
         self._layer_weights = per_layer if distinct else None
         self._weight_work: dict[int, list[_WeightWork]] = {}
+        # Asynchronous schedules: which weights each micro-batch reads (pipetrain/weights.py),
+        # and the loss divisor (1 when every micro-batch is its own update, as in PipeDream).
+        self.versions: WeightVersions | None = None
+        self.loss_divisor: int | None = None
+        self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def _functional(
+        self, weights: list[torch.Tensor] | None, target: object
+    ) -> Callable[[object], object]:
+        """``_run_and_score`` against ``target`` on ``weights`` in place of the parameters
+        (None: the parameters themselves)."""
+        if weights is None:
+            return partial(self._run_and_score, target=target)
+        runner = _Runner(self.module, self._run_and_score)
+        mapping = {"body." + n: w for n, w in zip(self._names, weights, strict=True)}
+        return lambda value: torch.func.functional_call(
+            runner, mapping, (value,), {"target": target}
+        )
 
     @property
     def is_first(self) -> bool:
@@ -130,10 +164,18 @@ class Stage:
             # checkpointed micro-batch keeps nothing but its inputs.
             recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
             cuts: list | None = [] if self.split_backward and not recomputed else None
-            work = partial(self._run_and_score, target=target, cuts=cuts)
+            work: Callable[[object], object] = partial(
+                self._run_and_score, target=target, cuts=cuts
+            )
+            versions = self.versions
+            if versions is not None:  # asynchronous: the weights this micro-batch reads
+                work = self._functional(versions.forward_weights(microbatch), target)
             ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
             with ledger, gathering_statistics():
-                if recomputed:
+                if versions is not None and versions.recomputes:
+                    output = work(value)  # its graph is dropped below: the backward
+                    self._targets[microbatch] = (value, target)  # recomputes on live weights
+                elif recomputed:
                     output = recompute(work, value, use_reentrant=False)
                 else:
                     output = work(value)
@@ -148,10 +190,13 @@ class Stage:
                 f"{type(error).__name__}: {error}"
             ) from error
         if self.is_last:
-            self.losses[microbatch] = output.detach()  # type: ignore[union-attr]
-            saved: tuple[torch.Tensor, ...] = (output / chunks,)  # type: ignore[operator]
+            loss = cast(torch.Tensor, output)
+            self.losses[microbatch] = loss.detach()
+            saved: tuple[torch.Tensor, ...] = (loss / (self.loss_divisor or chunks),)
         else:
             saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
+        if self.versions is not None and self.versions.recomputes:
+            saved = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in saved)
         self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
         return output
 
@@ -177,6 +222,8 @@ class Stage:
         gradients of the inputs that the previous stage asked for. Under ``split_backward``
         only those: the weight gradients wait for ``backward_weights``."""
         stashed = self._stash.pop(microbatch)
+        if self.versions is not None:
+            return self._versioned_backward(microbatch, stashed, grads)
         outputs = [t for t in stashed.outputs if t.requires_grad]
         if self.is_last:
             grads = [torch.ones_like(outputs[0])] if outputs else []
@@ -204,6 +251,52 @@ class Stage:
             g if g is not None else torch.zeros_like(x)
             for g, x in zip(found, wanted, strict=True)
         ]
+
+    def _versioned_backward(
+        self, microbatch: int, stashed: _Stashed, grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Backward of an asynchronous stage: through the weights the forward read (or, with
+        "stale" versions, a recomputed forward on the live weights); the weight gradients are
+        added to the live parameters' ``.grad``."""
+        versions = self.versions
+        assert versions is not None
+        weights = versions.backward_weights(microbatch)
+        outputs_all = stashed.outputs
+        wanted = [x for x in stashed.inputs if x.requires_grad]
+        try:
+            if versions.recomputes:
+                value, target = self._targets.pop(microbatch)
+                assert not self.is_last, "the last stage has lag 0: nothing to recompute"
+                with torch.enable_grad():
+                    out = self._run_and_score(value, target)
+                outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
+            outputs = [t for t in outputs_all if t.requires_grad]
+            if self.is_last:
+                grads = [torch.ones_like(outputs[0])] if outputs else []
+            elif len(grads) != len(outputs):
+                raise StageError(
+                    f"stage {self.index}: received {len(grads)} gradients for micro-batch "
+                    f"{microbatch} but {len(outputs)} outputs need one"
+                )
+            # backward() accumulates into .grad in place (no new gradient tensors): into the
+            # live parameters' when the forward read them, else into the copies', moved below
+            if outputs and wanted + weights:
+                torch.autograd.backward(outputs, list(grads), inputs=wanted + weights)
+        except StageError:
+            raise
+        except Exception as error:
+            raise StageError(
+                f"stage {self.index}, backward of micro-batch {microbatch} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for p, w in zip(self._weights, weights, strict=True):
+            if w is not p and w.grad is not None:
+                p.grad = w.grad if p.grad is None else p.grad.add_(w.grad)
+                w.grad = None
+        versions.release(microbatch)
+        if self.ledger:
+            self.ledger.release(microbatch)
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in wanted]
 
     def _input_gradients(
         self,
@@ -260,6 +353,12 @@ class Stage:
             self.module.zero_grad(set_to_none=not keep)
 
     def step(self) -> None:
+        if self.versions is not None:  # asynchronous: micro-batches stay in flight
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.versions.stepped()
+            return
         if self._stash or self._weight_work:
             pending = sorted({*self._stash, *self._weight_work})
             raise StageError(

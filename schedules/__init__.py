@@ -1,6 +1,15 @@
 """Micro-batch schedules as data, their validator and simulator. No torch here."""
 
 from schedules.action import Action, Kind, Schedule
+from schedules.asynchronous import (
+    drain,
+    for_call,
+    measure_lag,
+    peak_versions,
+    pipedream,
+    pipedream_2bw,
+    unroll,
+)
 from schedules.generators import (
     GENERATORS,
     build,
@@ -10,7 +19,7 @@ from schedules.generators import (
     zero_bubble_h1,
     zero_bubble_h2,
 )
-from schedules.simulate import Simulation, simulate
+from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
 from schedules.validate import ScheduleError, validate
 
@@ -24,10 +33,18 @@ __all__ = [
     "Span",
     "bubble_fraction",
     "build",
+    "drain",
+    "for_call",
     "gpipe",
     "interleaved",
+    "measure_lag",
     "one_f_one_b",
+    "peak_versions",
+    "pipedream",
+    "pipedream_2bw",
     "simulate",
+    "steady_state",
+    "unroll",
     "validate",
     "zero_bubble_h1",
     "zero_bubble_h2",

@@ -79,7 +79,8 @@ class Action:
 
     def __str__(self) -> str:
         if self.kind is Kind.STEP:
-            return f"{self.stage}:STEP"
+            after = "" if self.microbatch == -1 else str(self.microbatch)
+            return f"{self.stage}:STEP{after}"
         return f"{self.stage}:{self.kind.value}{self.microbatch}"
 
 
@@ -90,6 +91,15 @@ class Schedule:
     ``placement[s]`` is the rank that runs stage s; leave it out for one stage per rank (it
     becomes the identity). ``actions[r]`` is rank r's list; it ends with one STEP per stage the
     rank holds (``Action(STEP, s)``, in ascending stage order).
+
+    Asynchronous schedules (PipeDream 1F1B, 2BW; see ``schedules/asynchronous.py``) have a
+    non-empty ``lag``: ``actions`` is then the steady-state list of ONE ``train_step`` call, which
+    never flushes. Its micro-batch numbers count from this call's first micro-batch; a negative
+    one was fed by an earlier call and is still in flight (its backward runs now). A STEP names
+    the micro-batch whose backward it follows and applies one optimizer update, which happens
+    every ``update_every`` micro-batches (1 for PipeDream, ``microbatches`` for 2BW).
+    ``lag[s]`` is the number of stage s's updates between the weights a micro-batch's forward
+    reads and the update its gradient is applied in (steady state).
     """
 
     name: str
@@ -97,8 +107,16 @@ class Schedule:
     microbatches: int
     actions: dict[int, tuple[Action, ...]]
     placement: tuple[int, ...] = field(default=())
+    lag: tuple[int, ...] = field(default=())  # asynchronous only: per stage, in updates
+    update_every: int = 0  # asynchronous only: micro-batches per optimizer update
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lag", tuple(self.lag))
+        if self.lag and (len(self.lag) != self.stages or self.update_every < 1):
+            raise ValueError(
+                f"asynchronous schedule {self.name!r} needs one lag per stage and "
+                f"update_every >= 1, got lag={self.lag}, update_every={self.update_every}"
+            )
         if not self.placement:
             object.__setattr__(self, "placement", tuple(range(self.stages)))
         placement = tuple(self.placement)
@@ -121,6 +139,11 @@ class Schedule:
     def ranks(self) -> int:
         """How many ranks (devices) run the schedule."""
         return max(self.placement, default=-1) + 1
+
+    @property
+    def asynchronous(self) -> bool:
+        """True for a schedule that never flushes (one list per train_step, see ``lag``)."""
+        return bool(self.lag)
 
     @property
     def one_stage_per_rank(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedules.action import Action, Kind, Schedule
+from schedules.asynchronous import pipedream, pipedream_2bw
 from schedules.messages import with_messages
 
 
@@ -239,6 +240,8 @@ GENERATORS: dict[str, Callable[[int, int], Schedule]] = {
     "interleaved": interleaved,
     "zb-h1": zero_bubble_h1,
     "zb-h2": zero_bubble_h2,
+    "pipedream": pipedream,  # asynchronous: one list per train_step, see schedules/asynchronous
+    "pipedream-2bw": pipedream_2bw,
 }
 
 # schedules that place several stages on one rank: build() needs ranks= for them

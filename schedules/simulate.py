@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from schedules.action import Action, Kind, Schedule
+from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
 
@@ -102,6 +103,8 @@ def simulate(
     optimizer_step: float | Sequence[float] = 0.0,
     *,
     weight: float | Sequence[float] | None = None,
+    calls: int = 1,
+    flush: bool = True,
 ) -> Simulation:
     """Simulate one mini-batch. ``forward``/``backward``/``weight``/``optimizer_step`` are
     per-stage times for one micro-batch (a scalar applies to every stage); ``transfer`` is the
@@ -111,11 +114,17 @@ def simulate(
     ``weight`` is the W (weight-gradient) time, required for schedules with W actions, where
     ``backward`` is the B (input-gradient) time. For a schedule without W it may still be given
     (B then costs backward + weight), so that one set of costs times both kinds of schedule.
+
+    An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
+    the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
+    steady-state cost per train_step is ``steady_state``'s.
     """
+    validate(schedule)
+    if schedule.asynchronous:
+        schedule = unroll(schedule, calls, flush)
     p, ranks = schedule.stages, schedule.ranks
     cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
     link = _per_stage(transfer, max(p - 1, 0), "transfer")
-    validate(schedule)
     memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
     identity = schedule.one_stage_per_rank  # then spans need no rank: it is their stage
 
@@ -168,3 +177,26 @@ def simulate(
         timeline=tuple(spans),
         peak_full=tuple(peak_full),
     )
+
+
+def steady_state(
+    schedule: Schedule,
+    forward: float | Sequence[float],
+    backward: float | Sequence[float],
+    transfer: float | Sequence[float] = 0.0,
+    optimizer_step: float | Sequence[float] = 0.0,
+    calls: int = 8,
+) -> tuple[float, float]:
+    """(time per train_step, bubble fraction) of an asynchronous schedule in the steady state:
+    the growth of the unflushed run's time from ``calls - 1`` to ``calls`` train_steps, and the
+    share of that time each rank spends outside forward and backward work (optimizer updates
+    count as bubble). With uniform stages, no transfer and free updates the bubble is zero."""
+    if not schedule.asynchronous:
+        raise ValueError(f"{schedule.name!r} is synchronous: simulate() gives its step time")
+    before, after = (
+        simulate(schedule, forward, backward, transfer, optimizer_step, calls=n, flush=False)
+        for n in (calls - 1, calls)
+    )
+    call_time = after.step_time - before.step_time
+    busy = sum(a - b for a, b in zip(after.busy, before.busy, strict=True))
+    return call_time, (1.0 - busy / (schedule.ranks * call_time) if call_time else 0.0)

@@ -148,6 +148,13 @@ def check_deadlock_free(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless the schedule is complete and deadlock-free."""
+    """Raise ScheduleError unless the schedule is complete and deadlock-free. An asynchronous
+    schedule is checked over several consecutive train_steps and the flush
+    (``schedules.asynchronous.validate_async``), its declared lag included."""
+    if schedule.asynchronous:
+        from schedules.asynchronous import validate_async
+
+        validate_async(schedule)
+        return
     check_complete(schedule)
     check_deadlock_free(schedule)

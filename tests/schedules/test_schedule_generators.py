@@ -117,7 +117,7 @@ def test_build_dispatches_to_the_named_generator(name):
         assert build(name, p, m) == direct(p, m)
 
 
-@pytest.mark.parametrize("bad", ["GPipe", "pipedream", "", "1F1B", "Interleaved", "zb-v"])
+@pytest.mark.parametrize("bad", ["GPipe", "PipeDream", "", "1F1B", "Interleaved", "zb-v"])
 def test_unknown_schedule_name_lists_the_choices(bad):
     with pytest.raises(ValueError) as info:
         build(bad, 2, 2)

@@ -1,0 +1,205 @@
+"""Weight versions of an asynchronous stage: stashing, prediction, or neither.
+
+In an asynchronous schedule (``schedules/asynchronous.py``) stage s applies
+``lag = schedule.lag[s]`` updates between a micro-batch's forward and its backward. Three
+policies:
+
+* ``"stash"`` (PipeDream's weight stashing): the forward runs on a copy of the weights taken at
+  the forward (one copy per update unit: per micro-batch for PipeDream, per mini-batch for
+  2BW); the backward differentiates through that same copy, so forward and backward see
+  bit-identical weights, and the gradient is applied to the live weights. The copy dies with the
+  micro-batch's graph, so a stage holds at most the versions its lag needs (lag + 1 copies for
+  PipeDream, at most 2 for 2BW, none when lag is 0).
+* ``"predict"``: the forward runs on the weights the stage is expected to have after ``lag``
+  more updates (:func:`predict`), the backward through the same tensors, and the gradient is
+  applied to the live weights. Memory is that of stashing (the predicted tensors are what the
+  graph holds), plus the moment of computing them.
+* ``"stale"`` (no stashing): the forward runs on the live weights without keeping a graph; the
+  backward recomputes the stage from its stashed inputs with the weights live at that time
+  (newer by ``lag`` updates), which is the inconsistent gradient PipeDream's stashing removes.
+
+The predictor, for ``lag`` = s future updates with the optimizer's current state:
+
+* SGD with momentum (PyTorch's v <- mu v + g, w <- w - lr v), default "spectrain" (Chen et al.
+  2019, SpecTrain): w_hat = w - s lr v, which is exact when the velocity stays put (future
+  gradients equal to (1 - mu) v). "msnag" (FTPipe): w_hat = w - lr mu (1 - mu^s) / (1 - mu) v,
+  exact when future gradients are zero (the velocity decays).
+* Adam and AdamW: Adam's current update direction m_hat / (sqrt(v_hat) + eps) applied s times
+  with the bias corrections of the coming steps (and AdamW's decoupled decay before each), the
+  XPipe / PipeOptim rule; exact when the moments stay put (future gradients equal to m with
+  v = m^2). Adam's coupled L2 ``weight_decay`` is not modelled.
+* Anything else raises :class:`PredictionError` naming what is known.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+POLICIES = ("stash", "predict", "stale")
+METHODS = ("momentum", "spectrain", "msnag")  # "momentum": spectrain for SGD, Adam's rule
+
+
+class PredictionError(ValueError):
+    """The optimizer's future updates cannot be predicted from its state."""
+
+
+def check_predictable(optimizer: torch.optim.Optimizer | None, method: str) -> None:
+    """Raise PredictionError unless :func:`predict` knows ``optimizer`` under ``method``."""
+    if method not in METHODS:
+        raise PredictionError(f"weight_prediction must be one of {METHODS} or None, got {method!r}")
+    if optimizer is None:
+        return
+    if isinstance(optimizer, torch.optim.SGD):
+        if any(g["momentum"] == 0 for g in optimizer.param_groups):
+            raise PredictionError(
+                "weight prediction extrapolates SGD's momentum buffer, but momentum=0: pass "
+                "SGD(..., momentum=0.9) or train with weight_prediction=None (stashing)"
+            )
+        return
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        if method == "msnag":
+            raise PredictionError("'msnag' models SGD momentum; use 'momentum' for Adam/AdamW")
+        return
+    raise PredictionError(
+        f"weight prediction knows SGD with momentum, Adam and AdamW, not "
+        f"{type(optimizer).__name__}; use weight_prediction=None (weight stashing) with it"
+    )
+
+
+@torch.no_grad()
+def predict(
+    optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], steps: int,
+    method: str = "momentum",
+) -> list[torch.Tensor]:
+    """The values of ``params`` expected after ``steps`` more updates of ``optimizer`` (new
+    tensors; the parameters and the optimizer are left alone). A parameter without optimizer
+    state yet (before its first update) is predicted to stay where it is."""
+    check_predictable(optimizer, method)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for p in params:
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p))
+        if steps == 0 or group is None or not state:
+            out.append(p.detach().clone())
+        elif isinstance(optimizer, torch.optim.SGD):
+            out.append(_sgd(p, state, group, steps, method))
+        else:
+            out.append(_adam(p, state, group, steps, isinstance(optimizer, torch.optim.AdamW)))
+    return out
+
+
+def _sgd(p: torch.Tensor, state: dict, group: dict, steps: int, method: str) -> torch.Tensor:
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        return p.detach().clone()
+    mu, lr = float(group["momentum"]), float(group["lr"])
+    factor = float(steps) if method != "msnag" else mu * (1 - mu**steps) / (1 - mu)
+    sign = 1.0 if group.get("maximize", False) else -1.0
+    return torch.add(p.detach(), buf, alpha=sign * lr * factor)
+
+
+def _adam(p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool) -> torch.Tensor:
+    lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
+    decoupled = adamw or group.get("decoupled_weight_decay", False)
+    wd = float(group["weight_decay"]) if decoupled else 0.0
+    m = state["exp_avg"]
+    v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+    t = float(state["step"])
+    sign = 1.0 if group.get("maximize", False) else -1.0
+    w = p.detach().clone()
+    root = v.sqrt()
+    for k in range(1, steps + 1):
+        bc1, bc2 = 1 - b1 ** (t + k), 1 - b2 ** (t + k)
+        if wd:
+            w.mul_(1 - lr * wd)
+        w.addcdiv_(m, root / math.sqrt(bc2) + eps, value=sign * lr / bc1)
+    return w
+
+
+class WeightVersions:
+    """The weight versions of one asynchronous stage (see the module docstring).
+
+    ``forward_weights(key)`` gives the tensors micro-batch ``key``'s forward runs on (None: the
+    live parameters, with a graph; "stale" mode at lag > 0 runs without one);
+    ``backward_weights(key)`` the tensors its backward differentiates through;
+    ``release(key)`` ends the micro-batch; ``stepped()`` counts an update. ``record=True`` keeps
+    what tests compare: the lag each micro-batch saw and whether its forward and backward read
+    bit-identical weights.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        lag: int,
+        update_every: int,
+        policy: str = "stash",
+        method: str = "momentum",
+        record: bool = False,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy == "predict":
+            check_predictable(optimizer, method)
+        self.params, self.optimizer = list(params), optimizer
+        self.lag, self.update_every, self.policy, self.method = lag, update_every, policy, method
+        self.version = 0  # updates applied so far
+        self._units: dict[int, tuple[int, list[torch.Tensor] | None, set[int]]] = {}
+        self._read: dict[int, int] = {}  # key -> version its forward read
+        self.record = record
+        self.lags: dict[int, int] = {}  # key -> updates between its forward and backward
+        self.identical: dict[int, bool] = {}  # key -> forward and backward saw equal weights
+        self._seen: dict[int, list[torch.Tensor]] = {}
+        self.peak_versions = 0  # most weight copies held at once
+        self.peak_bytes = 0
+        self._bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the backward recomputes the forward with the live weights ("stale")."""
+        return self.policy == "stale" and self.lag > 0
+
+    def forward_weights(self, key: int) -> list[torch.Tensor] | None:
+        unit = key // self.update_every
+        if unit not in self._units:
+            copies = None
+            if self.lag > 0 and self.policy == "stash":
+                copies = [p.detach().clone().requires_grad_() for p in self.params]
+            elif self.lag > 0 and self.policy == "predict" and self.optimizer is not None:
+                predicted = predict(self.optimizer, self.params, self.lag, self.method)
+                copies = [w.requires_grad_() for w in predicted]
+            self._units[unit] = (self.version, copies, set())
+            held = sum(c is not None for _, c, _ in self._units.values())
+            self.peak_versions = max(self.peak_versions, held)
+            self.peak_bytes = max(self.peak_bytes, held * self._bytes)
+        version, copies, users = self._units[unit]
+        users.add(key)
+        self._read[key] = version
+        if self.record:
+            self._seen[key] = [t.detach().clone() for t in copies or self.params]
+        return copies
+
+    def backward_weights(self, key: int) -> list[torch.Tensor]:
+        _, copies, _ = self._units[key // self.update_every]
+        used = self.params if copies is None or self.recomputes else copies
+        if self.record:
+            self.lags[key] = self.version - self._read[key]
+            self.identical[key] = all(
+                torch.equal(a, b) for a, b in zip(self._seen.pop(key), used, strict=True)
+            )
+        return list(used)
+
+    def release(self, key: int) -> None:
+        unit = key // self.update_every
+        self._read.pop(key, None)
+        _, _, users = self._units[unit]
+        users.discard(key)
+        if not users and (key + 1) % self.update_every == 0:
+            del self._units[unit]  # the unit's last micro-batch is done
+
+    def stepped(self) -> None:
+        self.version += 1
