@@ -46,6 +46,14 @@ SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 
 
+def check_sizes(stages: int, microbatches: int) -> None:
+    """Every generator's first check: at least one stage and one micro-batch."""
+    if stages < 1:
+        raise ValueError(f"a pipeline needs at least one stage, got stages={stages}")
+    if microbatches < 1:
+        raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
+
+
 @dataclass(frozen=True)
 class Action:
     """One unit of work of one stage on one micro-batch (``microbatch`` is -1 for ``STEP``)."""

@@ -30,7 +30,7 @@ flight each update once) and ``min(1, p - 1 - s)`` for 2BW (one update in betwee
 
 from __future__ import annotations
 
-from schedules.action import Action, Kind, Schedule
+from schedules.action import Action, Kind, Schedule, check_sizes
 
 
 def _call_list(stage: int, stages: int, microbatches: int, update_every: int) -> list[Action]:
@@ -53,18 +53,11 @@ def _call_list(stage: int, stages: int, microbatches: int, update_every: int) ->
     return ops
 
 
-def _check(stages: int, microbatches: int) -> None:
-    if stages < 1:
-        raise ValueError(f"a pipeline needs at least one stage, got stages={stages}")
-    if microbatches < 1:
-        raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
-
-
 def pipedream(stages: int, microbatches: int) -> Schedule:
     """PipeDream's asynchronous 1F1B (Narayanan et al. 2019): stage s warms up with p-s
     forwards once, then alternates one forward and one backward across mini-batch boundaries;
     every backward is followed by an optimizer update. Lag of stage s: p-1-s updates."""
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = {s: tuple(_call_list(s, stages, microbatches, 1)) for s in range(stages)}
     lag = tuple(stages - 1 - s for s in range(stages))
     return Schedule("pipedream", stages, microbatches, actions, lag=lag, update_every=1)
@@ -75,7 +68,7 @@ def pipedream_2bw(stages: int, microbatches: int) -> Schedule:
     a mini-batch's gradients and updates once per mini-batch, after the backward of its last
     micro-batch. A mini-batch's forwards all read one version, so a stage holds at most two
     (W(t+1) = W(t) - lr * grad(W(t-1))); this needs at least p-1 micro-batches."""
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     if microbatches < stages - 1:
         raise ValueError(
             f"pipedream-2bw keeps at most two weight versions only with at least stages-1 "

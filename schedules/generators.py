@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from schedules.action import Action, Kind, Schedule
+from schedules.action import Action, Kind, Schedule, check_sizes
 from schedules.asynchronous import pipedream, pipedream_2bw
 from schedules.messages import with_messages
 
@@ -37,16 +37,9 @@ def _backward(stage: int, stages: int, mb: int) -> list[Action]:
     return ops
 
 
-def _check(stages: int, microbatches: int) -> None:
-    if stages < 1:
-        raise ValueError(f"a pipeline needs at least one stage, got stages={stages}")
-    if microbatches < 1:
-        raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
-
-
 def gpipe(stages: int, microbatches: int) -> Schedule:
     """GPipe: all forwards, then all backwards, then one optimizer step (holds m micro-batches)."""
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = {}
     for s in range(stages):
         ops = [a for i in range(microbatches) for a in _forward(s, stages, i)]
@@ -65,7 +58,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     activation of micro-batch i: its successor sends that gradient before it receives that
     activation, so both ends of the link agree on the message order.
     """
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = {}
     for s in range(stages):
         warmup = min(stages - 1 - s, microbatches)
@@ -127,7 +120,7 @@ def interleaved(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Sche
     time) at the cost of memory; rank r holds up to min(m v, 2(p-r-1) + (v-1)p + 1)
     micro-batch-chunks. With one chunk per rank this is 1F1B with that longer warm-up.
     """
-    _check(ranks, microbatches)
+    check_sizes(ranks, microbatches)
     if chunks_per_rank < 1:
         raise ValueError(
             f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
@@ -202,7 +195,7 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     (p-1)(f+b-w) when w <= min(f, b) (in general (p-1) max(f, b, f+b-w)), against 1F1B's
     (p-1)(f+b+w): a third of it when f = b = w.
     """
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     return _split_backward(
         "zb-h1", stages, microbatches, warmup=lambda s: stages - s, delay=lambda s: s
     )
@@ -220,7 +213,7 @@ def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
     holds up to min(m, 2(p-s)-1) full activations and min(m, 2p-1) micro-batches whose W is
     pending.
     """
-    _check(stages, microbatches)
+    check_sizes(stages, microbatches)
     return _split_backward(
         "zb-h2",
         stages,
