@@ -43,6 +43,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from machine_load import cpu_jiffies, load_report
+
 WIDTH, BLOCKS, BATCH, CHUNKS, STAGES = 1024, 16, 256, 8, 2
 LR = 1e-3
 VARIANTS = (
@@ -265,12 +267,12 @@ def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
             if bound:
                 v.prepare()
                 barrier()  # both ranks compute at the same time
-            before = _cpu_jiffies() if rank == 0 else None
+            before = cpu_jiffies() if rank == 0 else None
             cpu, start = time.process_time(), time.perf_counter()
             losses.append(v.step() if v.participates else None)
             times.append(time.perf_counter() - start if v.participates else 0.0)
             cpus.append(time.process_time() - cpu)  # every thread of this rank
-            after = _cpu_jiffies() if rank == 0 else None
+            after = cpu_jiffies() if rank == 0 else None
             if before is not None and after is not None:
                 busy.append(after[0] - before[0])
                 steal.append(after[1] - before[1])
@@ -325,9 +327,9 @@ def _wait_for_quiet(limit_s: float, share: float) -> float:
     start = time.monotonic()
     hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
     while time.monotonic() - start < limit_s:
-        before, t0 = _cpu_jiffies(), time.monotonic()
+        before, t0 = cpu_jiffies(), time.monotonic()
         time.sleep(0.5)
-        after = _cpu_jiffies()
+        after = cpu_jiffies()
         if before is None or after is None:
             break
         load = (after[0] - before[0] + after[1] - before[1]) / hz / ((time.monotonic() - t0) * ncpu)
@@ -346,43 +348,6 @@ def _worker(rank, world, port, opts, out_path):
 
 
 # -- the parent ---------------------------------------------------------------------------------
-
-
-def _cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, steal) clock ticks of the whole machine so far, from /proc/stat (Linux only)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return user + nice + system + irq + softirq, steal
-
-
-def _load_report(before, after, wall: float) -> str:
-    """How much of the machine other processes used while the benchmark ran: the ranks share
-    two cores, so any foreign load (or hypervisor steal) slows them and widens the spread."""
-    import resource
-
-    if before is None or after is None:
-        return "machine load: /proc/stat unavailable"
-    hz = os.sysconf("SC_CLK_TCK")
-    ncpu = os.cpu_count() or 1
-    ours = sum(
-        getattr(resource.getrusage(who), field)
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for field in ("ru_utime", "ru_stime")
-    )
-    busy = (after[0] - before[0]) / hz
-    steal = (after[1] - before[1]) / hz
-    foreign = max(busy - ours, 0.0)
-    line = (
-        f"machine load during the run: {ncpu} CPUs, this benchmark {ours / wall / ncpu:.0%}, "
-        f"other processes {foreign / wall / ncpu:.0%}, hypervisor steal {steal / wall / ncpu:.0%}"
-    )
-    if foreign / wall / ncpu > 0.05 or steal / wall / ncpu > 0.05:
-        line += "  <-- WARNING: numbers disturbed; rerun on a quiet machine"
-    return line
 
 
 def _free_port() -> int:
@@ -570,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     fd, out_path = tempfile.mkstemp(prefix="core_throughput_", suffix=".json")
     os.close(fd)
     started = time.monotonic()
-    load_before = _cpu_jiffies()
+    load_before = cpu_jiffies()
     ctx = mp.start_processes(
         _worker,
         args=(STAGES, _free_port(), opts, out_path),
@@ -598,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         os.unlink(out_path)
     wall = time.monotonic() - started
     print(_table(result["steps"], result["first_loss"], opts))
-    print(_load_report(load_before, _cpu_jiffies(), wall))
+    print(load_report(load_before, cpu_jiffies(), wall))
     if result.get("waited"):
         print(f"waited {result['waited']:.0f} s in all for quiet before rounds (--wait-quiet)")
     print(f"wall time {wall:.0f} s")

@@ -46,6 +46,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from machine_load import cpu_jiffies, load_report
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # examples.models, when run as a script from anywhere
@@ -382,41 +384,6 @@ def _launch(world: int, opts: dict, deadline: float) -> dict:
         os.unlink(out_path)
 
 
-def _cpu_jiffies() -> tuple[int, int] | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return user + nice + system + irq + softirq, steal
-
-
-def _load_report(before, after, wall: float) -> str:
-    """How busy the machine was with other work while this ran (it disturbs the timings)."""
-    import resource
-
-    if before is None or after is None:
-        return "machine load: /proc/stat unavailable"
-    hz = os.sysconf("SC_CLK_TCK")
-    ncpu = os.cpu_count() or 1
-    ours = sum(
-        getattr(resource.getrusage(who), field)
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for field in ("ru_utime", "ru_stime")
-    )
-    busy = (after[0] - before[0]) / hz
-    steal = (after[1] - before[1]) / hz
-    foreign = max(busy - ours, 0.0) / wall / ncpu
-    line = (
-        f"machine load: {ncpu} CPUs; this benchmark {ours / wall / ncpu:.0%}, other processes "
-        f"{foreign:.0%}, hypervisor steal {steal / wall / ncpu:.0%}"
-    )
-    if foreign > 0.05 or steal / wall / ncpu > 0.05:
-        line += "  <-- WARNING: other work disturbed the timings; rerun on a quiet machine"
-    return line
-
-
 def _quantile(values: list[float], q: float) -> float:
     values = sorted(values)
     k = (len(values) - 1) * q
@@ -576,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     allocator = tune_malloc() if args.allocator == "tuned" else "default glibc malloc"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
-    load_before = _cpu_jiffies()
+    load_before = cpu_jiffies()
     busy = max(0, min(args.cores, max(stage_counts, default=1)) - 1)
     busy = busy if args.profile_load == "busy" else 0
     profile = _profile(opts, warmup=3, repeats=args.profile_repeats, busy=busy)
@@ -599,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{world} stages failed: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
     wall = time.monotonic() - started
-    load = _load_report(load_before, _cpu_jiffies(), wall)
+    load = load_report(load_before, cpu_jiffies(), wall)
 
     rows = [
         "| stages | split | balance | predicted ms (plan) | predicted ms "

@@ -25,14 +25,7 @@ MODEL = "examples.models:resnet_like"
 TINY = """--input-shape 4,3,8,8 --kwargs '{"width": 8}' --warmup 0 --repeats 1"""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
-    them); the process's setting is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
@@ -235,7 +228,6 @@ def test_module_entry_point_exit_status(tmp_path):
 
 
 def test_trace_and_consolidate_verbs(tmp_path, capsys):
-    import torch
 
     from pipetrain import Pipeline
     from pipetrain.cli import main

@@ -13,15 +13,7 @@ from pipetrain.planning import layer_signature
 from pipetrain.profiler import profile
 from tests.runtime.models import mlp
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
-    them); the process's setting is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tuples_cross_layers_and_only_grad_outputs_get_gradients():

@@ -20,14 +20,7 @@ TOLERANCE = 1e-5
 WIDTH, BATCH, SIDE, CHUNKS, STEPS = 8, 8, 8, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a busy machine's other threads only slow
-    them); the process's setting is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model() -> nn.Sequential:
