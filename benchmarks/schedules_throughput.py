@@ -13,20 +13,25 @@ SGD, checkpoint="never", one torch thread per rank, ranks joined by gloo (starte
 
 Variants alternate: every round runs each variant for a few steps, the order rotating from
 round to round; a step's time is the slowest rank's; the table gives the median over all timed
-steps. "measured bubble" is 1 - compute/step averaged over ranks, compute being the executor's
-F+B+W time (pipetrain.metrics["stage_bubble"]); "simulated" is schedules.simulate with each
-stage's measured mean F, B and W times and free transfers. With 4 ranks on a 2-core machine
+steps. From the traces of the timed steps: "measured bubble" is 1 - compute / (ranks x step),
+the step running from its first action's start to its last action's end on any rank, compute
+being F+B+W; "simulated" is the same step's simulated twin (pipetrain.trace.simulated_twin:
+the schedule simulated with the step's measured per-stage F, B, W and optimizer-step times, each
+rank's measured runtime overhead per action and the link latency measured at start-up); both
+averaged over the timed steps. With 4 ranks on a 2-core machine
 the ranks share cores (oversubscribed): compute times inflate and bubbles mix with waiting for
 a core, so compare variants within one rank count, not across.
 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
+    python benchmarks/schedules_throughput.py --no-peers   # pipetrain's schedules only
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import tempfile
@@ -71,28 +76,22 @@ class _Pipetrain:
             checkpoint="never", loss_fn=_mse, optimizer=_sgd, timeout=120, trace=trace,
         )
         self.x, self.y = x, y
-        self.bubbles: list[float] = []
 
     def step(self) -> None:
         self.pipe.train_step(self.x, self.y)
-        self.bubbles.append(self.pipe.metrics["stage_bubble"][0])
 
-    def simulated_bubble(self) -> float:
-        """schedules.simulate with this run's measured per-stage mean F, B and W times."""
-        import torch
-        import torch.distributed as dist
 
-        from pipetrain.trace import measured_costs
-        from schedules import simulate
+def _bubbles(folder: str, skip: int) -> tuple[float, float]:
+    """Mean over the traced steps after ``skip`` warm-up steps: the measured bubble fraction
+    and that of the step's simulated twin (pipetrain.trace.simulated_twin)."""
+    from pipetrain.trace import load_folder, simulated_twin, step_spans
+    from schedules import bubble_fraction
 
-        schedule = self.pipe.schedule
-        spans = [s for r in self.pipe._recorders if r for step in r.steps[2:] for s in step]
-        cost = measured_costs(spans, schedule.stages)
-        flat = torch.tensor([cost[k][s] for k in cost for s in range(schedule.stages)],
-                            dtype=torch.float64)
-        dist.all_reduce(flat)  # each stage's times come from the one rank that holds it
-        f, b, w = flat.view(3, schedule.stages).tolist()
-        return simulate(schedule, f, b, weight=w).bubble_fraction
+    traces = load_folder(folder)
+    steps = range(skip, min(len(t.steps) for t in traces))
+    measured = [bubble_fraction(step_spans(traces, k)) for k in steps]
+    simulated = [bubble_fraction(simulated_twin(traces, k)) for k in steps]
+    return statistics.mean(measured), statistics.mean(simulated)
 
 
 class _Torch:
@@ -131,7 +130,9 @@ class _Torch:
         self.opt.step()
 
 
-def _rank(rank: int, ranks: int, port: int, rounds: int, steps: int, out: dict) -> None:
+def _rank(
+    rank: int, ranks: int, port: int, rounds: int, steps: int, peers: bool, out: dict
+) -> None:
     import time
 
     import torch
@@ -143,53 +144,52 @@ def _rank(rank: int, ranks: int, port: int, rounds: int, steps: int, out: dict) 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     variants: dict[str, object] = {}
-    with tempfile.TemporaryDirectory() as trace:
+    trace = os.path.join(tempfile.gettempdir(), f"pipetrain-schedules-{port}")  # all ranks'
+    for name in PIPETRAIN:
+        variants[name] = _Pipetrain(name, ranks, x, y, f"{trace}/{name}")
+    for name in TORCH if peers else ():
+        try:
+            variants[name] = _Torch(name, rank, ranks, x, y)
+        except Exception as error:  # an API this torch lacks: report, go on
+            if rank == 0:
+                print(f"{name}: unavailable ({type(error).__name__}: {error})")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for variant in variants.values():  # warm-up
+        for _ in range(2):
+            variant.step()  # type: ignore[attr-defined]
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                variants[name].step()  # type: ignore[attr-defined]
+                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times[name].append(float(took))
+    rows = {}
+    for name, variant in variants.items():
+        rows[name] = {"median": statistics.median(times[name])}
+        if isinstance(variant, _Pipetrain):
+            variant.pipe.save_trace()
+    dist.barrier()
+    if rank == 0:
         for name in PIPETRAIN:
-            variants[name] = _Pipetrain(name, ranks, x, y, f"{trace}/{name}")
-        for name in TORCH:
-            try:
-                variants[name] = _Torch(name, rank, ranks, x, y)
-            except Exception as error:  # an API this torch lacks: report, go on
-                if rank == 0:
-                    print(f"{name}: unavailable ({type(error).__name__}: {error})")
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for variant in variants.values():  # warm-up
-            for _ in range(2):
-                variant.step()  # type: ignore[attr-defined]
-        names = list(variants)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                for _ in range(steps):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    variants[name].step()  # type: ignore[attr-defined]
-                    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    times[name].append(float(took))
-        rows = {}
-        for name, variant in variants.items():
-            row = {"median": statistics.median(times[name])}
-            if isinstance(variant, _Pipetrain):
-                bubble = torch.tensor([statistics.mean(variant.bubbles[2:])],
-                                      dtype=torch.float64)
-                dist.all_reduce(bubble)
-                row["measured"] = float(bubble) / ranks
-                row["simulated"] = variant.simulated_bubble()
-            rows[name] = row
-        if rank == 0:
-            out.update(rows)
-        dist.barrier()
+            rows[name]["measured"], rows[name]["simulated"] = _bubbles(f"{trace}/{name}", 2)
+        out.update(rows)
+        shutil.rmtree(trace, ignore_errors=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def _worker(rank, ranks, port, rounds, steps, queue):
+def _worker(rank, ranks, port, rounds, steps, peers, queue):
     out: dict = {}
-    _rank(rank, ranks, port, rounds, steps, out)
+    _rank(rank, ranks, port, rounds, steps, peers, out)
     if rank == 0:
         queue.put(out)
 
 
-def run(ranks: int, rounds: int, steps: int) -> dict:
+def run(ranks: int, rounds: int, steps: int, peers: bool = True) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -197,7 +197,7 @@ def run(ranks: int, rounds: int, steps: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, rounds, steps, queue))
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, rounds, steps, peers, queue))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -212,11 +212,13 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip torch.distributed.pipelining's schedules")
     args = parser.parse_args()
     print(f"model {BLOCKS} x (Linear({WIDTH})+ReLU), batch {BATCH}, {CHUNKS} micro-batches, "
           f"{os.cpu_count()} cores; median of {args.rounds * args.steps} steps per variant")
     for ranks in [int(r) for r in args.ranks.split(",")]:
-        rows = run(ranks, args.rounds, args.steps)
+        rows = run(ranks, args.rounds, args.steps, not args.no_peers)
         base = rows["1f1b"]["median"]
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))

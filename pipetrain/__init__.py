@@ -4,6 +4,7 @@ from pipetrain.checkpointing import consolidate
 from pipetrain.distributed import init_distributed
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.pipeline import Pipeline
+from pipetrain.profiler import profile
 
 __all__ = [
     "CommunicationTimeout",
@@ -13,4 +14,5 @@ __all__ = [
     "StageError",
     "consolidate",
     "init_distributed",
+    "profile",
 ]

@@ -438,7 +438,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print(
         f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
         f"bubble {result['measured_bubble']:.1%}, simulated {result['simulated_bubble']:.1%} "
-        "(with the measured forward/backward times and free transfers)"
+        "(the simulated twin: the schedule timed with this step's measured compute, runtime "
+        "overhead and message latency)"
     )
     print(f"Chrome/Perfetto trace: {result['trace']}")
     if "picture" in result:

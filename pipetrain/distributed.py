@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -12,7 +13,8 @@ import torch.distributed as dist
 def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; return (rank, world).
 
-    NCCL when CUDA is available, else gloo. On GPUs each process takes ``cuda:LOCAL_RANK``.
+    NCCL when this node has a GPU for each of its processes, else gloo on the CPU (with a
+    warning when there are GPUs, but too few). On GPUs each process takes ``cuda:LOCAL_RANK``.
     Calling it again is harmless.
     """
     if not dist.is_initialized():
@@ -25,7 +27,7 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tupl
                 "this process with Pipeline(..., devices=[...])"
             )
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = _default_backend()
         if backend == "nccl":
             torch.cuda.set_device(local_device())
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -34,6 +36,20 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tupl
             timeout=timedelta(seconds=timeout),
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _default_backend() -> str:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus >= local:
+        return "nccl" if gpus else "gloo"
+    warnings.warn(
+        f"{local} processes on this node but {gpus} GPU(s): training on the CPU with gloo. "
+        f"For the GPUs start at most {gpus} processes per node (--nproc_per_node={gpus}); "
+        "pass init_distributed(backend='gloo') to silence this",
+        stacklevel=3,
+    )
+    return "gloo"
 
 
 def _attempt_store(timeout: float) -> dist.Store:
@@ -54,7 +70,18 @@ def _attempt_store(timeout: float) -> dist.Store:
 
 
 def local_device() -> torch.device:
-    """cuda:LOCAL_RANK when the default group runs NCCL (or CUDA is there), else the CPU."""
+    """cuda:LOCAL_RANK when the default group runs NCCL (or CUDA is there), else the CPU.
+
+    NCCL joins one GPU per process, so a node needs a GPU for each of its local ranks.
+    """
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK {local} needs GPU {local}, but this node has {count} GPU(s): "
+                f"start at most {count} processes per node (torchrun --nproc_per_node={count}) "
+                "and give the pipeline that many stages per node, or run on the CPU with "
+                "init_distributed(backend='gloo')"
+            )
+        return torch.device("cuda", local)
     return torch.device("cpu")

@@ -289,8 +289,8 @@ class Pipeline:
     def _start_tracing(self) -> list[Recorder | None]:
         if self._threads is not None:
             return [Recorder(r, r, self.schedule) for r in range(self.schedule.ranks)]
-        offset = measure_clock_offset(self._group, self._ranks)
-        recorder = Recorder(dist.get_rank(), self.placement.stage, self.schedule, offset)
+        offset, latency = measure_clock_offset(self._group, self._ranks)
+        recorder = Recorder(dist.get_rank(), self.placement.stage, self.schedule, offset, latency)
         atexit.register(self.save_trace)
         return [recorder]
 

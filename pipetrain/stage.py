@@ -278,8 +278,12 @@ class Stage:
                     f"stage {self.index}: received {len(grads)} gradients for micro-batch "
                     f"{microbatch} but {len(outputs)} outputs need one"
                 )
-            # backward() accumulates into .grad in place (no new gradient tensors): into the
-            # live parameters' when the forward read them, else into the copies', moved below
+            # backward() accumulates into .grad in place: into the live parameters' when the
+            # forward read them; else into the copies', which share the live .grad tensors
+            # (allocated by the first backward after an update, then moved over below)
+            for p, w in zip(self._weights, weights, strict=True):
+                if w is not p:
+                    w.grad = p.grad
             if outputs and wanted + weights:
                 torch.autograd.backward(outputs, list(grads), inputs=wanted + weights)
         except StageError:
@@ -290,9 +294,8 @@ class Stage:
                 f"{type(error).__name__}: {error}"
             ) from error
         for p, w in zip(self._weights, weights, strict=True):
-            if w is not p and w.grad is not None:
-                p.grad = w.grad if p.grad is None else p.grad.add_(w.grad)
-                w.grad = None
+            if w is not p:
+                p.grad, w.grad = w.grad, None
         versions.release(microbatch)
         if self.ledger:
             self.ledger.release(microbatch)

@@ -9,6 +9,7 @@ machines line up. ``merge`` turns a folder of them into Chrome/Perfetto trace JS
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
+from schedules.action import COMPUTE, RECVS, SENDS
 
 FORMAT = "pipetrain-trace"
+WAITED = 5e-5  # seconds: a receive this long waited for its message (a ready one takes µs)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Recorder:
     stage: int
     schedule: Schedule
     clock_offset: float = 0.0  # add to this host's clock to get rank 0's
+    link_latency: float = 0.0  # one-way time of a small message to the first rank (s)
     steps: list[list[Span]] = field(default_factory=list)
 
     def begin_step(self) -> None:
@@ -50,6 +54,7 @@ class Recorder:
             "rank": self.rank,
             "stage": self.stage,
             "clock_offset": self.clock_offset,
+            "link_latency": self.link_latency,
             "schedule": self.schedule.name,
             "stages": self.schedule.stages,
             "microbatches": self.schedule.microbatches,
@@ -72,6 +77,7 @@ class RankTrace:
     stage: int  # the rank's position in the pipeline (its stage under one stage per rank)
     schedule: Schedule
     steps: list[list[Span]]  # times on rank 0's clock
+    link_latency: float = 0.0
 
 
 def load(path: str | Path) -> RankTrace:
@@ -90,7 +96,7 @@ def load(path: str | Path) -> RankTrace:
         for spans in data["steps"]
     ]
     schedule = build(data["schedule"], stages, data["microbatches"], ranks=ranks)
-    return RankTrace(data["rank"], lane, schedule, steps)
+    return RankTrace(data["rank"], lane, schedule, steps, data.get("link_latency", 0.0))
 
 
 def load_folder(folder: str | Path) -> list[RankTrace]:
@@ -128,9 +134,12 @@ def step_spans(traces: Sequence[RankTrace], step: int) -> list[Span]:
     return [s for t in traces for s in t.steps[step]]
 
 
-def measure_clock_offset(group: dist.ProcessGroup, ranks: Sequence[int], rounds: int = 8) -> float:
-    """This rank's clock offset from the group's first rank (NTP-style ping-pong; the round
-    with the shortest round trip wins). Every rank of the group must call it."""
+def measure_clock_offset(
+    group: dist.ProcessGroup, ranks: Sequence[int], rounds: int = 8
+) -> tuple[float, float]:
+    """This rank's clock offset from the group's first rank and the one-way latency of a small
+    message between them (NTP-style ping-pong; the round with the shortest round trip wins;
+    both 0 on the first rank). Every rank of the group must call it."""
     me = dist.get_rank()
     ping = torch.zeros(1, dtype=torch.float64)
     best = (float("inf"), 0.0)
@@ -146,13 +155,13 @@ def measure_clock_offset(group: dist.ProcessGroup, ranks: Sequence[int], rounds:
                 dist.recv(ping, ranks[0], group=group)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
-    return best[1]
+    return (best[1], best[0] / 2) if me != ranks[0] else (0.0, 0.0)
 
 
 def measured_costs(spans: Sequence[Span], stages: int) -> dict[Kind, list[float]]:
-    """Each stage's mean forward, backward and weight time in ``spans``."""
+    """Each stage's mean forward, backward, weight and optimizer-step time in ``spans``."""
     costs = {}
-    for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+    for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
         mean = [0.0] * stages
         for s in range(stages):
             times = [x.duration for x in spans if x.action.kind is kind and x.action.stage == s]
@@ -161,15 +170,53 @@ def measured_costs(spans: Sequence[Span], stages: int) -> dict[Kind, list[float]
     return costs
 
 
+def runtime_overhead(spans: Sequence[Span]) -> float:
+    """One rank's own time per action in one step: the part of its step that is neither
+    compute, an optimizer step nor a receive (waiting for a message is the simulator's to
+    reproduce), spread over its actions. It holds the gaps between actions (posting messages,
+    bookkeeping, the process losing its core) and the sends' short spans."""
+    if not spans:
+        return 0.0
+    length = max(s.end for s in spans) - min(s.start for s in spans)
+    accounted = sum(s.duration for s in spans if s.action.kind not in SENDS)
+    return max(length - accounted, 0.0) / len(spans)
+
+
+def message_latency(spans: Sequence[Span]) -> float | None:
+    """Median time from a message's departure (the end of the compute that produced it) to its
+    arrival, over the receives in ``spans`` (all ranks' spans of a step, on one clock) that
+    waited for their message, whose end is its arrival; None if none waited. Under load this
+    is the latency that counts: it holds the peers' waits for a core, which an idle start-up
+    measurement does not."""
+    produced = {s.action: s.end for s in spans if s.action.kind in COMPUTE}
+    seen = []
+    for s in spans:
+        a = s.action
+        if a.kind in RECVS and s.duration > WAITED:
+            source = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
+            departure = produced.get(Action(source, a.peer if a.peer is not None else -1,
+                                            a.microbatch))
+            if departure is not None:
+                seen.append(s.end - departure)
+    return statistics.median(seen) if seen else None
+
+
 def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
-    """The schedule simulated with each stage's measured mean forward, backward (and weight)
-    times and free transfers, to set beside the measured step: what remains is the cost of
-    moving data and waiting for it."""
+    """The schedule simulated with what was measured in step ``step``: each stage's mean
+    forward, backward, weight and optimizer-step times, each rank's runtime overhead per
+    action, and the step's message latency (:func:`message_latency`; the start-up measurement
+    when no receive waited). What differs from the measured step is what the simulator's model
+    of waiting gets wrong."""
     schedule = traces[0].schedule
-    cost = measured_costs(step_spans(traces, step), schedule.stages)
+    spans = step_spans(traces, step)
+    cost = measured_costs(spans, schedule.stages)
+    latency = message_latency(spans)
     return list(
         simulate(
-            schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD], weight=cost[Kind.WEIGHT]
+            schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
+            transfer=max(t.link_latency for t in traces) if latency is None else latency,
+            optimizer_step=cost[Kind.STEP],
+            weight=cost[Kind.WEIGHT], overhead=[runtime_overhead(t.steps[step]) for t in traces],
         ).timeline
     )
 
@@ -194,7 +241,7 @@ def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
 
         name = traces[0].schedule.name
         result["picture"] = draw(
-            [(f"measured {name}", measured), (f"simulated {name}, free transfers", twin)],
+            [(f"measured {name}", measured), (f"simulated {name}, measured costs", twin)],
             out / "timeline.png",
         )
     return result

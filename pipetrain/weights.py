@@ -7,9 +7,10 @@ policies:
 * ``"stash"`` (PipeDream's weight stashing): the forward runs on a copy of the weights taken at
   the forward (one copy per update unit: per micro-batch for PipeDream, per mini-batch for
   2BW); the backward differentiates through that same copy, so forward and backward see
-  bit-identical weights, and the gradient is applied to the live weights. The copy dies with the
-  micro-batch's graph, so a stage holds at most the versions its lag needs (lag + 1 copies for
-  PipeDream, at most 2 for 2BW, none when lag is 0).
+  bit-identical weights, and the gradient is applied to the live weights. A copy is done with
+  when its micro-batches' backwards are, and a later forward reuses its memory, so a stage holds
+  at most the versions its lag needs (lag + 1 copies for PipeDream, at most 2 for 2BW, none when
+  lag is 0).
 * ``"predict"``: the forward runs on the weights the stage is expected to have after ``lag``
   more updates (:func:`predict`), the backward through the same tensors, and the gradient is
   applied to the live weights. Memory is that of stashing (the predicted tensors are what the
@@ -73,36 +74,42 @@ def check_predictable(optimizer: torch.optim.Optimizer | None, method: str) -> N
 @torch.no_grad()
 def predict(
     optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], steps: int,
-    method: str = "momentum",
+    method: str = "momentum", out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """The values of ``params`` expected after ``steps`` more updates of ``optimizer`` (new
-    tensors; the parameters and the optimizer are left alone). A parameter without optimizer
-    state yet (before its first update) is predicted to stay where it is."""
+    """The values of ``params`` expected after ``steps`` more updates of ``optimizer``, written
+    into ``out`` (tensors shaped like ``params``) or new tensors; the parameters and the
+    optimizer are left alone. A parameter without optimizer state yet (before its first
+    update) is predicted to stay where it is."""
     check_predictable(optimizer, method)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    out = []
-    for p in params:
+    targets = list(out) if out is not None else [torch.empty_like(p) for p in params]
+    for p, w in zip(params, targets, strict=True):
         state, group = optimizer.state.get(p, {}), group_of.get(id(p))
         if steps == 0 or group is None or not state:
-            out.append(p.detach().clone())
+            w.copy_(p)
         elif isinstance(optimizer, torch.optim.SGD):
-            out.append(_sgd(p, state, group, steps, method))
+            _sgd(p, state, group, steps, method, w)
         else:
-            out.append(_adam(p, state, group, steps, isinstance(optimizer, torch.optim.AdamW)))
-    return out
+            _adam(p, state, group, steps, isinstance(optimizer, torch.optim.AdamW), w)
+    return targets
 
 
-def _sgd(p: torch.Tensor, state: dict, group: dict, steps: int, method: str) -> torch.Tensor:
+def _sgd(
+    p: torch.Tensor, state: dict, group: dict, steps: int, method: str, w: torch.Tensor
+) -> None:
     buf = state.get("momentum_buffer")
     if buf is None:
-        return p.detach().clone()
+        w.copy_(p)
+        return
     mu, lr = float(group["momentum"]), float(group["lr"])
     factor = float(steps) if method != "msnag" else mu * (1 - mu**steps) / (1 - mu)
     sign = 1.0 if group.get("maximize", False) else -1.0
-    return torch.add(p.detach(), buf, alpha=sign * lr * factor)
+    torch.add(p.detach(), buf, alpha=sign * lr * factor, out=w)
 
 
-def _adam(p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool) -> torch.Tensor:
+def _adam(
+    p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool, w: torch.Tensor
+) -> None:
     lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
     decoupled = adamw or group.get("decoupled_weight_decay", False)
     wd = float(group["weight_decay"]) if decoupled else 0.0
@@ -110,14 +117,13 @@ def _adam(p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool) ->
     v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
     t = float(state["step"])
     sign = 1.0 if group.get("maximize", False) else -1.0
-    w = p.detach().clone()
+    w.copy_(p)
     root = v.sqrt()
     for k in range(1, steps + 1):
         bc1, bc2 = 1 - b1 ** (t + k), 1 - b2 ** (t + k)
         if wd:
             w.mul_(1 - lr * wd)
         w.addcdiv_(m, root / math.sqrt(bc2) + eps, value=sign * lr / bc1)
-    return w
 
 
 class WeightVersions:
@@ -157,6 +163,23 @@ class WeightVersions:
         self.peak_versions = 0  # most weight copies held at once
         self.peak_bytes = 0
         self._bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._spare: list[list[torch.Tensor]] = []  # copies of finished units, to reuse
+
+    @torch.no_grad()
+    def _copy(self) -> list[torch.Tensor]:
+        """The weights this unit's forward reads: the live ones stashed or predicted, written
+        into the copy of a finished unit when one is free (an update per micro-batch would
+        otherwise allocate and fault in a whole copy of the stage's weights each time)."""
+        spare = self._spare.pop() if self._spare else None
+        if self.policy == "predict" and self.optimizer is not None:
+            copies = predict(self.optimizer, self.params, self.lag, self.method, out=spare)
+        elif spare is not None:
+            copies = spare
+            for c, p in zip(copies, self.params, strict=True):
+                c.copy_(p)
+        else:
+            copies = [p.detach().clone() for p in self.params]
+        return [c.requires_grad_() for c in copies]
 
     @property
     def recomputes(self) -> bool:
@@ -167,11 +190,10 @@ class WeightVersions:
         unit = key // self.update_every
         if unit not in self._units:
             copies = None
-            if self.lag > 0 and self.policy == "stash":
-                copies = [p.detach().clone().requires_grad_() for p in self.params]
-            elif self.lag > 0 and self.policy == "predict" and self.optimizer is not None:
-                predicted = predict(self.optimizer, self.params, self.lag, self.method)
-                copies = [w.requires_grad_() for w in predicted]
+            if self.lag > 0 and (
+                self.policy == "stash" or self.policy == "predict" and self.optimizer is not None
+            ):
+                copies = self._copy()
             self._units[unit] = (self.version, copies, set())
             held = sum(c is not None for _, c, _ in self._units.values())
             self.peak_versions = max(self.peak_versions, held)
@@ -199,7 +221,9 @@ class WeightVersions:
         _, _, users = self._units[unit]
         users.discard(key)
         if not users and (key + 1) % self.update_every == 0:
-            del self._units[unit]  # the unit's last micro-batch is done
+            _, copies, _ = self._units.pop(unit)  # the unit's last micro-batch is done
+            if copies is not None:  # its backward has freed the graph that read them
+                self._spare.append(copies)
 
     def stepped(self) -> None:
         self.version += 1

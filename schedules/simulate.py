@@ -1,9 +1,11 @@
 """Time a schedule from per-stage costs: step time, bubble fraction, activation memory.
 
-The model is the runtime's: a rank runs its actions in order, one at a time; a send costs the
-sender nothing and leaves as soon as the compute that produced its tensor ends; a receive waits
-until the message has crossed its link (``transfer`` seconds after it left). A hand-off between
-two stages on the same rank is no message and costs nothing: the list order already puts the
+The model is the runtime's: a rank runs its actions in order, one at a time; a send leaves as
+soon as the compute that produced its tensor ends; a receive waits until the message has crossed
+its link (``transfer`` seconds after it left). Besides its own cost every action takes
+``overhead`` seconds of its rank's time (the runtime's bookkeeping: posting messages, picking the
+next action; zero by default), which is neither compute nor waiting. A hand-off between two
+stages on the same rank is no message and costs nothing: the list order already puts the
 producer first.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
@@ -103,6 +105,7 @@ def simulate(
     optimizer_step: float | Sequence[float] = 0.0,
     *,
     weight: float | Sequence[float] | None = None,
+    overhead: float | Sequence[float] = 0.0,
     calls: int = 1,
     flush: bool = True,
 ) -> Simulation:
@@ -110,6 +113,8 @@ def simulate(
     per-stage times for one micro-batch (a scalar applies to every stage); ``transfer`` is the
     time one message takes across the boundary from stage s to s+1, per boundary (stages-1
     values; ignored where both stages share a rank) or one scalar.
+
+    ``overhead`` is the runtime's own time per action, per rank (a scalar for every rank).
 
     ``weight`` is the W (weight-gradient) time, required for schedules with W actions, where
     ``backward`` is the B (input-gradient) time. For a schedule without W it may still be given
@@ -125,6 +130,7 @@ def simulate(
     p, ranks = schedule.stages, schedule.ranks
     cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
     link = _per_stage(transfer, max(p - 1, 0), "transfer")
+    extra = _per_stage(overhead, ranks, "overhead")
     memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
     identity = schedule.one_stage_per_rank  # then spans need no rank: it is their stage
 
@@ -164,6 +170,7 @@ def simulate(
                     full[r] += d_full
                     peak[r] = max(peak[r], held[r])
                     peak_full[r] = max(peak_full[r], full[r])
+                clock[r] += extra[r]
                 cursor[r] += 1
                 pending -= 1
                 moved = True

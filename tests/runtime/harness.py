@@ -1,6 +1,7 @@
-"""Start real processes joined by a gloo process group, run a function on each, collect results.
+"""Start real processes joined by a process group, run a function on each, collect results.
 
-Every rank runs ``fn(rank, world, *args)`` after ``init_process_group("gloo")``; its return value
+Every rank runs ``fn(rank, world, *args)`` after ``init_process_group`` (gloo unless the test
+asks for NCCL); its return value
 (or the exception it raised, as text) comes back to the test. A rank that hangs is killed at the
 deadline and reported, so a test can fail but never hang.
 """
@@ -28,14 +29,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, results: Any
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         buffer = io.BytesIO()  # bytes, not shared-memory tensors, survive this process's exit
         torch.save(fn(rank, world, *args), buffer)
         results.put((rank, "ok", buffer.getvalue()))
@@ -49,7 +54,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
                 pass
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 120.0) -> list[tuple]:
+def run_ranks(
+    fn: Callable, world: int, *args: Any, deadline: float = 120.0, backend: str = "gloo"
+) -> list[tuple]:
     """Per rank, ("ok", value), ("error", (type name, message, traceback)) or ("died", exit
     code) for a process that ended without reporting."""
     ctx = mp.get_context("forkserver")  # forks from a server that imported torch once
@@ -57,7 +64,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 120.0) -> 
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results), daemon=True)
         for r in range(world)
     ]
     for p in procs:

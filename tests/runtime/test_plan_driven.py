@@ -13,7 +13,6 @@ import pipetrain
 from examples.models import resnet_like
 from partitioner import PlanMismatchError
 from partitioner import plan as make_plan
-from pipetrain.profiler import profile
 from tests.runtime.harness import run_ranks, values
 
 TOLERANCE = 1e-5
@@ -44,7 +43,8 @@ def sgd(params):
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory):
-    measured = profile(model(), torch.randn(BATCH // CHUNKS, 3, SIDE, SIDE), warmup=0, repeats=1)
+    sample = torch.randn(BATCH // CHUNKS, 3, SIDE, SIDE)
+    measured = pipetrain.profile(model(), sample, warmup=0, repeats=1)  # the documented entry
     plan = make_plan(measured, stages=2, microbatches=CHUNKS, schedule="1f1b")
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)

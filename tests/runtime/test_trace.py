@@ -9,8 +9,8 @@ import pytest
 from torch import nn
 
 import pipetrain
-from pipetrain.trace import load_folder, report
-from schedules import Kind
+from pipetrain.trace import load_folder, report, runtime_overhead
+from schedules import Action, Kind, Span
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -50,9 +50,20 @@ def check_dependency_order(folder) -> None:
 
 
 def _a(kind, stage, mb):
-    from schedules import Action
-
     return Action(kind, stage, mb)
+
+
+def test_runtime_overhead_is_the_unaccounted_time_per_action():
+    spans = [
+        Span(_a(Kind.FORWARD, 0, 0), 0.0, 1.0),
+        Span(_a(Kind.SEND_ACT, 0, 0), 1.25, 1.5),  # a send's span counts as overhead
+        Span(_a(Kind.RECV_GRAD, 0, 0), 1.5, 2.0),  # waiting is not overhead
+        Span(_a(Kind.BACKWARD, 0, 0), 2.25, 3.0),
+        Span(_a(Kind.STEP, 0, -1), 3.0, 3.5),
+    ]
+    # 3.5 s long; F, RECV, B and STEP account for 2.75 s; the rest spread over 5 actions
+    assert runtime_overhead(spans) == pytest.approx(0.75 / 5)
+    assert runtime_overhead([]) == 0.0
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -70,7 +81,10 @@ def test_merged_trace_is_chrome_json_with_a_track_per_rank(tmp_path, world):
     forwards = [e for e in slices if e["cat"] == "FORWARD"]
     assert len(forwards) == world * 4 * STEPS
     check_dependency_order(tmp_path)
-    assert 0.0 < result["simulated_bubble"] <= result["measured_bubble"] + 0.05
+    latencies = {t.rank: t.link_latency for t in load_folder(tmp_path)}
+    assert latencies[0] == 0.0, "rank 0 is the reference"
+    assert all(0.0 < latencies[r] < 0.05 for r in range(1, world)), latencies
+    assert 0.0 < result["simulated_bubble"] < 1.0
     assert result["picture"].stat().st_size > 10_000
 
 

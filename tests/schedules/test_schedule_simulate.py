@@ -140,6 +140,40 @@ def test_transfer_costs_at_least_one_round_trip(name, p, m):
         previous = now
 
 
+# -- runtime overhead per action ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_overhead_is_paid_once_per_action_on_a_single_stage(name, m):
+    # 2m computes and one step, back to back: each adds its overhead, none of it busy
+    sim = simulate(build(name, 1, m), 1.5, 2.5, optimizer_step=0.5, overhead=0.25)
+    assert sim.step_time == pytest.approx(m * 4.0 + 0.5 + (2 * m + 1) * 0.25)
+    assert sim.busy == pytest.approx((m * 4.0,))
+
+
+def test_overhead_on_two_stages_by_hand():
+    # rank 0: F0 (+o), SEND_ACT0 (+o), waits for the gradient, B0 (+o), STEP (+o). rank 1 gets
+    # the activation at f, then RECV (+o), F0 (+o), B0: the gradient leaves at 2f + b + 2o.
+    f, b, s, o = 1.0, 2.0, 0.5, 0.1
+    sim = simulate(gpipe(2, 1), f, b, 0.0, s, overhead=[o, 3 * o])
+    assert sim.finish[1] == pytest.approx(2 * f + b + s + 5 * 3 * o)
+    assert sim.finish[0] == pytest.approx(2 * f + 2 * b + s + 3 * o + 2 * 3 * o)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_overhead_only_lengthens_the_step(name):
+    schedule = build(name, 4, 4, ranks=2 if name == "interleaved" else None)
+    weight = 0.5 if name == "zb-h1" else None
+    base = simulate(schedule, 1.0, 1.0, weight=weight)
+    previous = base.step_time
+    for o in (0.01, 0.1, 0.5):
+        sim = simulate(schedule, 1.0, 1.0, weight=weight, overhead=o)
+        assert sim.busy == base.busy
+        assert sim.step_time > previous
+        previous = sim.step_time
+
+
 def test_optimizer_step_delays_each_stage_by_its_own_step():
     base = simulate(gpipe(3, 4), 1.0, 2.0, 0.5)
     opt = [0.25, 4.0, 1.0]
@@ -258,6 +292,7 @@ def test_simulated_actions_respect_every_dependency_and_start_as_early_as_possib
         ({"backward": [1.0] * 4}, "backward needs 3 values"),
         ({"transfer": [0.1] * 3}, "transfer needs 2 values"),
         ({"optimizer_step": [0.0]}, "optimizer_step needs 3 values"),
+        ({"overhead": [0.0] * 2}, "overhead needs 3 values"),
     ],
 )
 def test_per_stage_lists_must_have_the_right_length(kwargs, what):
