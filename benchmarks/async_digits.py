@@ -43,6 +43,8 @@ import statistics
 import time
 from datetime import timedelta
 
+from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
+
 VARIANTS = {
     "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
     "sync-micro": dict(schedule="1f1b", checkpoint="never", chunks=1),
@@ -171,29 +173,11 @@ def accuracy_part(lrs: list[float], seeds: int, epochs: int, png: str) -> None:
 
 # -- throughput ---------------------------------------------------------------------------------
 
-WIDTH, BLOCKS = 512, 16
 THROUGHPUT = {
     "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
     "pipedream": dict(schedule="pipedream"),
     "2bw": dict(schedule="pipedream-2bw"),
 }
-
-
-def _wide():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(BLOCKS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
-def _mse(out, target):
-    import torch
-
-    return torch.nn.functional.mse_loss(out, target)
 
 
 def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, queue) -> None:
@@ -211,7 +195,7 @@ def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, queue) -> N
     for chunks in (4, 8):
         for name, options in THROUGHPUT.items():
             pipes[name, chunks] = pipetrain.Pipeline(
-                _wide(), [BLOCKS, BLOCKS], chunks=chunks, loss_fn=_mse, timeout=120,
+                linear_model(), [BLOCKS, BLOCKS], chunks=chunks, loss_fn=mse, timeout=120,
                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9), **options,
             )
     times: dict = {key: [] for key in pipes}

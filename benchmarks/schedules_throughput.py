@@ -43,7 +43,9 @@ PIPETRAIN = ("1f1b", "interleaved", "zb-h1", "zb-h2")
 TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
 
 
-def _model():
+def linear_model():
+    """BLOCKS x (Linear(WIDTH) + ReLU), the same weights in every process (async_digits.py
+    measures on it too)."""
     import torch
     from torch import nn
 
@@ -54,7 +56,7 @@ def _model():
     return nn.Sequential(*layers)
 
 
-def _mse(out, target):
+def mse(out, target):
     import torch
 
     return torch.nn.functional.mse_loss(out, target)
@@ -72,8 +74,8 @@ class _Pipetrain:
 
         stages = ranks * (2 if schedule == "interleaved" else 1)
         self.pipe = pipetrain.Pipeline(
-            _model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
-            checkpoint="never", loss_fn=_mse, optimizer=_sgd, timeout=120, trace=trace,
+            linear_model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
+            checkpoint="never", loss_fn=mse, optimizer=_sgd, timeout=120, trace=trace,
         )
         self.x, self.y = x, y
 
@@ -106,7 +108,7 @@ class _Torch:
 
         stages = 2 * ranks
         mine = [rank, 2 * ranks - 1 - rank] if kind == "torch-zbv" else [rank, rank + ranks]
-        model, size = _model(), LAYERS // stages
+        model, size = linear_model(), LAYERS // stages
         self.stages = [
             PipelineStage(model[s * size : (s + 1) * size], s, stages, torch.device("cpu"))
             for s in mine
@@ -119,7 +121,7 @@ class _Torch:
             "torch-interleaved-zb": ScheduleInterleavedZeroBubble,
             "torch-zbv": ScheduleZBVZeroBubble,
         }[kind]
-        self.schedule = cls(self.stages, n_microbatches=CHUNKS, loss_fn=_mse)
+        self.schedule = cls(self.stages, n_microbatches=CHUNKS, loss_fn=mse)
         self.x, self.y = x, y
 
     def step(self) -> None:
