@@ -38,11 +38,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
 
+from ranks import spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
 
 VARIANTS = {
@@ -180,7 +180,7 @@ THROUGHPUT = {
 }
 
 
-def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, queue) -> None:
+def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -214,27 +214,13 @@ def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, queue) -> N
             times[key].append(float(took))
             pipes[key].flush()  # outside the timing: the steady state is what is measured
     if rank == 0:
-        queue.put({k: statistics.median(v) for k, v in times.items()})
+        results.put({k: statistics.median(v) for k, v in times.items()})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def throughput_part(rounds: int, steps: int, batch: int) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, port, rounds, steps, batch, queue)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    medians = queue.get(timeout=900)
-    for p in procs:
-        p.join()
+    medians = spawn_ranks(_rank, 2, rounds, steps, batch)
     print(f"\nthroughput, 2 stages (processes, gloo), {BLOCKS} x Linear({WIDTH})+ReLU, batch "
           f"{batch}; median per-step time over {rounds} rounds of {steps} steps")
     print(f"{'chunks':>6} " + " ".join(f"{n + ' s/step':>17}" for n in THROUGHPUT)

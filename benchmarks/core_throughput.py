@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import traceback
 from datetime import timedelta
 
 from machine_load import cpu_jiffies, load_report
+from ranks import free_port
 
 WIDTH, BLOCKS, BATCH, CHUNKS, STAGES = 1024, 16, 256, 8, 2
 LR = 1e-3
@@ -350,12 +350,6 @@ def _worker(rank, world, port, opts, out_path):
 # -- the parent ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _quantile(values: list[float], q: float) -> float:
     values = sorted(values)
     k = (len(values) - 1) * q
@@ -538,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = cpu_jiffies()
     ctx = mp.start_processes(
         _worker,
-        args=(STAGES, _free_port(), opts, out_path),
+        args=(STAGES, free_port(), opts, out_path),
         nprocs=STAGES,
         join=False,
         start_method="spawn",

@@ -16,14 +16,13 @@ Medians of the per-round medians.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from torch import nn
 
 import pipetrain
@@ -45,7 +44,7 @@ def timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
+def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=120))
@@ -100,17 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times = results.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
+    times = spawn_ranks(worker, 2, args)
     pipe, late, bound, reduce = (times[k] for k in times)
     params = sum(p.numel() for p in model(args.width, args.depth).parameters())
     print(f"2 replicas x 1 stage, {args.depth} x Linear({args.width})+ReLU ({params / 1e6:.1f}M "

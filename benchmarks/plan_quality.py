@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from machine_load import cpu_jiffies, load_report
+from ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -349,12 +349,6 @@ def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None
 # -- the parent --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, opts: dict, deadline: float) -> dict:
     import torch.multiprocessing as mp
 
@@ -363,7 +357,7 @@ def _launch(world: int, opts: dict, deadline: float) -> dict:
     started = time.monotonic()
     ctx = mp.start_processes(
         _worker,
-        args=(world, _free_port(), opts, out_path),
+        args=(world, free_port(), opts, out_path),
         nprocs=world,
         join=False,
         start_method="spawn",

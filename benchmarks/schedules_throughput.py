@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 from datetime import timedelta
+
+from ranks import spawn_ranks
 
 WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
@@ -184,29 +185,15 @@ def _rank(
     dist.destroy_process_group()
 
 
-def _worker(rank, ranks, port, rounds, steps, peers, queue):
+def _worker(rank, port, ranks, rounds, steps, peers, results):
     out: dict = {}
     _rank(rank, ranks, port, rounds, steps, peers, out)
     if rank == 0:
-        queue.put(out)
+        results.put(out)
 
 
 def run(ranks: int, rounds: int, steps: int, peers: bool = True) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, rounds, steps, peers, queue))
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=900)
-    for p in procs:
-        p.join(timeout=60)
-    return result
+    return spawn_ranks(_worker, ranks, ranks, rounds, steps, peers)
 
 
 def main() -> None:
