@@ -16,7 +16,7 @@ micro-batch and this stage's position in its schedule.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -72,17 +72,26 @@ class Executor:
         recorder: Recorder | None = None,
         base: int = 0,
         carry: dict | None = None,
+        losses_done: Callable[[], None] | None = None,
     ):
         """``base`` and ``carry`` serve asynchronous schedules, whose micro-batches outlive a
         call: the stages know micro-batch i of this list as ``base + i`` (a global number), and
         ``carry`` (the same dict on every call of this rank) keeps the boundary shapes of the
-        micro-batches still in flight and the sends a peer receives only in its next call."""
+        micro-batches still in flight and the sends a peer receives only in its next call.
+        ``losses_done`` is called the moment the last stage's last forward of the list ends:
+        every loss of the mini-batch is known then, before the backwards that follow."""
         self.stages = {stage.index: stage for stage in stages}
         self.base, self.carry = base, carry if carry is not None else {}
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.training, self.recorder = timeout, training, recorder
         self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
+        self.losses_done = losses_done
+        last_forwards = [
+            i for i, a in enumerate(self.actions)
+            if a.kind is Kind.FORWARD and self.stages[a.stage].is_last
+        ]
+        self._losses_at = last_forwards[-1] if last_forwards else -1
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
         if schedule.asynchronous:
             self.chunks = schedule.microbatches
@@ -126,6 +135,8 @@ class Executor:
                     self.recorder.record(action, start, end)
                 for send in outgoing or ():  # after the span ends: a peer may start at once
                     self._post(*send)
+                if position == self._losses_at and self.losses_done:
+                    self.losses_done()
             if self.schedule.asynchronous and self.training:
                 self._carry_sends()
             else:

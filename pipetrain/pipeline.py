@@ -203,6 +203,7 @@ class Pipeline:
         self._fed = 0  # asynchronous: micro-batches fed so far (their global numbers)
         self._call_lists: dict[int, Schedule] = {}
         self._failed: str | None = None
+        self._loss: tuple[torch.Tensor, dist.Work | None] | None = None  # on its way
         rank_of = self.schedule.rank_of
 
         def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
@@ -321,25 +322,26 @@ class Pipeline:
         backwards (and updates) that are due, those of earlier mini-batches included, without
         waiting for this one's to finish. The loss returned is still THIS mini-batch's mean loss:
         the last stage has no lag, so every micro-batch fed here finishes its loss in this call
-        (computed with the weights each stage had, or was predicted to have, at its forward)."""
+        (computed with the weights each stage had, or was predicted to have, at its forward).
+        The last stage sends it on as soon as its last forward ends, so the other ranks wait for
+        that forward, not for the backwards behind it."""
         start = time.perf_counter()
+        self._loss = None
         if self.schedule.asynchronous:
             for stage in self.stages:
                 stage.losses.clear()
-            executors = self._run(self._call_list(self._calls), x, y, training=True)
+            executors = self._run(self._call_list(self._calls), x, y, True, self._report_loss)
             self._calls += 1
             self._fed += self.chunks
         else:
             for stage in self.stages:
                 stage.zero_grad()
             start = time.perf_counter()  # zeroing the gradients is no part of the step
-            executors = self._run(self.schedule, x, y, training=True)
+            executors = self._run(self.schedule, x, y, True, self._report_loss)
         step_time = time.perf_counter() - start
-        last = self.stages[-1]
-        loss = torch.zeros((), dtype=torch.float64, device=last.device)
-        if last.is_last:
-            loss += torch.stack([v.double() for v in last.losses.values()]).mean()
-        value = self._from_last_stage(loss)
+        if self._loss is None:  # ranks without the last stage, and single-process mode
+            self._report_loss()
+        value = self._received_loss()
         self.step += 1
         self._record_metrics(value, step_time, executors, x if x is not None else y)
         every = self._checkpoint_every
@@ -449,9 +451,11 @@ class Pipeline:
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)
 
     def _run(
-        self, schedule: Schedule, x: object, y: object, training: bool
+        self, schedule: Schedule, x: object, y: object, training: bool,
+        losses_done: Callable[[], None] | None = None,
     ) -> list[Executor]:
-        """Run ``schedule`` on this process's stages; outputs land in ``self._outputs``."""
+        """Run ``schedule`` on this process's stages; outputs land in ``self._outputs``.
+        ``losses_done`` goes to a process's executor (see Executor), not to threads'."""
         if self._failed:
             raise PipelineError(
                 f"this pipeline stopped after a failure ({self._failed}); build a new one "
@@ -471,6 +475,7 @@ class Pipeline:
                 [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
                 self.timeout, training, recorder if training else None,
                 base=self._fed if training else 0, carry=carry,
+                losses_done=losses_done if self._threads is None else None,
             )
             for rank, transport, recorder, carry in zip(
                 here, self.transports, self._recorders, self._carry, strict=True
@@ -492,11 +497,27 @@ class Pipeline:
             logger.error("pipeline failed: %s", self._failed)
             raise
 
-    def _from_last_stage(self, value: torch.Tensor) -> float:
-        """The last stage's scalar, on every rank."""
-        if self._threads is not None:
+    def _report_loss(self) -> None:
+        """Start handing the last stage's mean loss of the mini-batch to every rank (a
+        broadcast that ``_received_loss`` waits for). The last stage's rank calls it the moment
+        its last forward ends (the executor's ``losses_done``), the other ranks after their
+        list: under an asynchronous schedule the first stage need not wait for the last
+        stage's backwards before it feeds the next mini-batch."""
+        last = self.stages[-1]
+        loss = torch.zeros((), dtype=torch.float64, device=last.device)
+        if last.is_last:
+            loss += torch.stack([v.double() for v in last.losses.values()]).mean()
+        work = None
+        if self._threads is None:
+            work = dist.broadcast(loss, self._ranks[-1], group=self._group, async_op=True)
+        self._loss = (loss, work)
+
+    def _received_loss(self) -> float:
+        """The loss ``_report_loss`` sent, once it is here (averaged over replicas)."""
+        assert self._loss is not None, "_report_loss comes first"
+        (value, work), self._loss = self._loss, None
+        if work is None:
             return float(value)
-        work = dist.broadcast(value, self._ranks[-1], group=self._group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
             if self.placement.replica_group is not None:  # the mean over every replica's batch

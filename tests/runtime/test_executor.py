@@ -1,0 +1,38 @@
+"""The executor's hook for the loss report: it fires once, as the last stage's last forward
+ends, so that the other ranks (which wait for the loss) need not wait for the backwards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipetrain import microbatch
+from pipetrain.executor import Executor
+from pipetrain.stage import Stage
+from pipetrain.trace import Recorder
+from pipetrain.transport import LocalHub
+from schedules import Kind, build
+from tests.runtime.models import mlp, sgd
+
+
+def test_losses_done_fires_once_right_after_the_last_forward():
+    cpu = torch.device("cpu")
+    stage = Stage(mlp(), 0, 1, 0, cpu, sgd, nn.functional.cross_entropy, "never")
+    schedule = build("gpipe", 1, 4)  # F0..F3, then B0..B3: four backwards behind the report
+    recorder = Recorder(0, 0, schedule)
+    seen: list[tuple[int, list]] = []
+    executor = Executor(
+        [stage], LocalHub([cpu]).endpoint(0), schedule, 0, timeout=10, recorder=recorder,
+        losses_done=lambda: seen.append(
+            (len(stage.losses), [s.action for s in recorder.steps[-1]])
+        ),
+    )
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    executor.run(microbatch.scatter(x, 4, "x"), microbatch.scatter(y, 4, "y"))
+    assert len(seen) == 1
+    losses, done = seen[0]
+    assert losses == 4, "every micro-batch's loss is known when the report starts"
+    ops = list(schedule.actions[0])
+    assert done == ops[: ops.index(max((a for a in ops if a.kind is Kind.FORWARD),
+                                       key=lambda a: a.microbatch)) + 1]
+    assert [a.kind for a in ops[len(done):]].count(Kind.BACKWARD) == 4
