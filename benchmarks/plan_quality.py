@@ -12,8 +12,8 @@
     profiled per-stage costs) is compared with the measured median step (target: within 15%).
     This machine has few cores: with more stage processes than cores the processes share them,
     which the plan (one device per stage) cannot know. So a second prediction simulates the
-    same schedule with the stages' compute sharing ``--cores`` cores equally (processor
-    sharing: while k > c stages compute, each runs at c/k speed); with no more stages than
+    same schedule on ``--cores`` shared cores (``schedules.simulate(..., cores=)``, processor
+    sharing: while k > c stages run, each runs at c/k speed); with no more stages than
     cores it equals the plan's. Both are reported, honestly labelled.
 (c) The plan tables of the bundled PipeDream profiles vgg16 and gnmt (4 stages), as
     ``pipetrain plan`` prints them.
@@ -81,79 +81,6 @@ def tune_malloc() -> str:
         )
     )
     return "glibc malloc tuned (keeps freed memory)" if ok else "mallopt failed: default"
-
-
-# -- a schedule on shared cores ----------------------------------------------------------------
-
-
-def shared_core_step(
-    schedule: str,
-    stages: int,
-    microbatches: int,
-    forward: list[float],
-    backward: list[float],
-    transfer: list[float],
-    cores: int,
-) -> float:
-    """Step time of ``schedule`` when its stages share ``cores`` cores: the simulator's model
-    (schedules.simulate: a send leaves when its compute ends, whatever the list order, and
-    arrives ``transfer`` later) with every compute action running at min(1, cores / k) of full
-    speed while k stages compute at once. Equals ``simulate(...).step_time`` when
-    ``stages <= cores`` (compute actions of zero cost included)."""
-    from schedules import Action, Kind, build
-
-    actions = build(schedule, stages, microbatches).actions
-    cursor = [0] * stages
-    left: list[float | None] = [None] * stages  # full-speed seconds left of the current compute
-    arrival: dict[Action, float] = {}
-    now = 0.0
-
-    def complete(s: int, done: Action) -> None:
-        """``done`` ends now: post what it sends."""
-        if done.kind is Kind.FORWARD and s < stages - 1:
-            arrival[Action(Kind.RECV_ACT, s + 1, done.microbatch)] = now + transfer[s]
-        elif done.kind is Kind.BACKWARD and s > 0:
-            arrival[Action(Kind.RECV_GRAD, s - 1, done.microbatch)] = now + transfer[s - 1]
-
-    while True:
-        moved = True
-        while moved:  # run every action that takes no time, as far as each stage can go
-            moved = False
-            for s in range(stages):
-                ops = actions[s]
-                while cursor[s] < len(ops) and left[s] is None:
-                    a = ops[cursor[s]]
-                    if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                        if arrival.get(a, math.inf) > now:
-                            break
-                    elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                        pass  # posted when its compute ended (see below), as the runtime does
-                    else:
-                        cost = {Kind.FORWARD: forward, Kind.BACKWARD: backward}.get(a.kind)
-                        if cost is not None and cost[s] > 0:
-                            left[s] = cost[s]
-                            break
-                        complete(s, a)
-                    cursor[s] += 1
-                    moved = True
-        busy = [s for s in range(stages) if left[s] is not None]
-        if not busy and all(cursor[s] == len(actions[s]) for s in range(stages)):
-            return now
-        rate = min(1.0, cores / len(busy)) if busy else 0.0
-        finish = min((left[s] / rate for s in busy), default=math.inf)  # type: ignore[operator]
-        coming = min((t - now for t in arrival.values() if t > now), default=math.inf)
-        step = min(finish, coming)
-        if not math.isfinite(step):
-            raise RuntimeError("shared-core simulation made no progress")
-        now += step
-        for s in busy:
-            remaining = left[s] - step * rate  # type: ignore[operator]
-            if remaining <= 1e-12 * max(1.0, now):
-                complete(s, actions[s][cursor[s]])
-                cursor[s] += 1
-                left[s] = None
-            else:
-                left[s] = remaining
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -439,21 +366,14 @@ def _profile(opts: dict, warmup: int, repeats: int, busy: int):
 
 def _predictions(profile, balance: list[int], opts: dict, bandwidth: float) -> tuple[float, float]:
     """(the plan's step time for this split, the same on ``cores`` shared cores)."""
-    from pipetrain.cli import simulate_split, stage_costs
+    from pipetrain.cli import simulate_split
 
     m = opts["microbatches"]
-    plain = simulate_split(profile, balance, microbatches=m, bandwidth=bandwidth).step_time
-    costs = stage_costs(profile, balance, microbatches=m, bandwidth=bandwidth)
-    shared = shared_core_step(
-        "1f1b",
-        len(balance),
-        m,
-        [c.forward for c in costs],
-        [c.backward for c in costs],
-        [c.message for c in costs[:-1]],
-        opts["cores"],
+    plain, shared = (
+        simulate_split(profile, balance, microbatches=m, bandwidth=bandwidth, cores=cores)
+        for cores in (None, opts["cores"])
     )
-    return plain, shared
+    return plain.step_time, shared.step_time
 
 
 def _pipedream_tables(args: argparse.Namespace) -> str:

@@ -18,9 +18,11 @@ the step running from its first action's start to its last action's end on any r
 being F+B+W; "simulated" is the same step's simulated twin (pipetrain.trace.simulated_twin:
 the schedule simulated with the step's measured per-stage F, B, W and optimizer-step times, each
 rank's measured runtime overhead per action and the link latency measured at start-up); both
-averaged over the timed steps. With 4 ranks on a 2-core machine
-the ranks share cores (oversubscribed): compute times inflate and bubbles mix with waiting for
-a core, so compare variants within one rank count, not across.
+averaged over the timed steps. With 4 ranks on a 2-core machine the ranks share cores
+(oversubscribed): the twin then runs them on the cores they shared (processor sharing, with
+the measured times converted to full speed; pipetrain.trace.shared_cores and full_speed).
+Compute times inflate and bubbles mix with waiting for a core, so compare variants within one
+rank count, not across.
 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3

@@ -177,8 +177,10 @@ def simulate_split(
     microbatch_size: int | None = None,
     checkpoint: str = "never",
     bandwidth: float | str | None = None,
+    cores: int | None = None,
 ) -> Simulation:
-    """The schedule simulated on :func:`stage_costs` (the planner's prediction of a split)."""
+    """The schedule simulated on :func:`stage_costs` (the planner's prediction of a split);
+    ``cores``: the stages share that many processors (see ``schedules.simulate``)."""
     costs = stage_costs(
         profile,
         balance,
@@ -193,6 +195,7 @@ def simulate_split(
         forward=[s.forward for s in costs],
         backward=[s.backward for s in costs],
         transfer=[s.message for s in costs[:-1]],
+        cores=cores,
     )
 
 

@@ -8,11 +8,15 @@ machines line up. ``merge`` turns a folder of them into Chrome/Perfetto trace JS
 
 from __future__ import annotations
 
+import bisect
 import json
+import os
+import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -37,6 +41,9 @@ class Recorder:
     clock_offset: float = 0.0  # add to this host's clock to get rank 0's
     link_latency: float = 0.0  # one-way time of a small message to the first rank (s)
     steps: list[list[Span]] = field(default_factory=list)
+    host: str = field(default_factory=socket.gethostname)
+    cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))  # it may use
+    threads: int = field(default_factory=torch.get_num_threads)  # torch's, per operation
 
     def begin_step(self) -> None:
         self.steps.append([])
@@ -55,6 +62,9 @@ class Recorder:
             "stage": self.stage,
             "clock_offset": self.clock_offset,
             "link_latency": self.link_latency,
+            "host": self.host,
+            "cores": self.cores,
+            "threads": self.threads,
             "schedule": self.schedule.name,
             "stages": self.schedule.stages,
             "microbatches": self.schedule.microbatches,
@@ -78,6 +88,9 @@ class RankTrace:
     schedule: Schedule
     steps: list[list[Span]]  # times on rank 0's clock
     link_latency: float = 0.0
+    host: str = ""
+    cores: int = 0  # 0: not recorded
+    threads: int = 1
 
 
 def load(path: str | Path) -> RankTrace:
@@ -96,7 +109,10 @@ def load(path: str | Path) -> RankTrace:
         for spans in data["steps"]
     ]
     schedule = build(data["schedule"], stages, data["microbatches"], ranks=ranks)
-    return RankTrace(data["rank"], lane, schedule, steps, data.get("link_latency", 0.0))
+    return RankTrace(
+        data["rank"], lane, schedule, steps, data.get("link_latency", 0.0),
+        data.get("host", ""), data.get("cores", 0), data.get("threads", 1),
+    )
 
 
 def load_folder(folder: str | Path) -> list[RankTrace]:
@@ -158,27 +174,81 @@ def measure_clock_offset(
     return (best[1], best[0] / 2) if me != ranks[0] else (0.0, 0.0)
 
 
-def measured_costs(spans: Sequence[Span], stages: int) -> dict[Kind, list[float]]:
-    """Each stage's mean forward, backward, weight and optimizer-step time in ``spans``."""
+def shared_cores(traces: Sequence[RankTrace]) -> int | None:
+    """How many ranks' worth of processors the traced ranks shared (the ``cores`` of
+    ``schedules.simulate``), when they ran on one host with more ranks than that; None when
+    each had its own (or they ran on several hosts, or the traces predate the record)."""
+    hosts = {t.host for t in traces}
+    if len(hosts) != 1 or any(t.cores < 1 for t in traces):
+        return None
+    cores = max(1, min(t.cores // max(t.threads, 1) for t in traces))
+    return cores if cores < len(traces) else None
+
+
+Work = Callable[[float, float], float]  # (start, end) -> full-speed seconds done in between
+
+
+def full_speed(spans: Sequence[Span], cores: int | None) -> Work:
+    """Full-speed seconds a rank does between two instants of ``spans``' step when the ranks
+    share ``cores`` (processor sharing, as ``schedules.simulate`` models it): the integral of
+    min(1, cores / k(t)), k(t) the ranks running at t. A rank runs from its first span's start
+    to its last one's end except while it waits in a receive. ``cores=None``: the elapsed
+    time."""
+    if cores is None:
+        return lambda start, end: end - start
+    change: dict[float, int] = {}
+    for lane in {s.lane for s in spans}:
+        mine = [s for s in spans if s.lane == lane]
+        for at, by in [(min(s.start for s in mine), 1), (max(s.end for s in mine), -1)] + [
+            (t, d) for s in mine if s.action.kind in RECVS for t, d in ((s.start, -1), (s.end, 1))
+        ]:
+            change[at] = change.get(at, 0) + by
+    times, done, running = sorted(change), [0.0], 0
+    for a, b in pairwise(times):
+        running += change[a]
+        done.append(done[-1] + (b - a) * min(1.0, cores / max(running, 1)))
+
+    def integral(t: float) -> float:
+        i = bisect.bisect_right(times, t) - 1
+        if i < 0:
+            return 0.0
+        if i + 1 >= len(times):
+            return done[-1]
+        return done[i] + (t - times[i]) * (done[i + 1] - done[i]) / (times[i + 1] - times[i])
+
+    return lambda start, end: integral(end) - integral(start)
+
+
+def measured_costs(
+    spans: Sequence[Span], stages: int, work: Work | None = None
+) -> dict[Kind, list[float]]:
+    """Each stage's mean forward, backward, weight and optimizer-step time in ``spans``
+    (in full-speed seconds by ``work``, when given; see :func:`full_speed`)."""
+    took = work or (lambda start, end: end - start)
     costs = {}
     for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
         mean = [0.0] * stages
         for s in range(stages):
-            times = [x.duration for x in spans if x.action.kind is kind and x.action.stage == s]
+            times = [
+                took(x.start, x.end) for x in spans
+                if x.action.kind is kind and x.action.stage == s
+            ]
             mean[s] = sum(times) / len(times) if times else 0.0
         costs[kind] = mean
     return costs
 
 
-def runtime_overhead(spans: Sequence[Span]) -> float:
+def runtime_overhead(spans: Sequence[Span], work: Work | None = None) -> float:
     """One rank's own time per action in one step: the part of its step that is neither
     compute, an optimizer step nor a receive (waiting for a message is the simulator's to
     reproduce), spread over its actions. It holds the gaps between actions (posting messages,
-    bookkeeping, the process losing its core) and the sends' short spans."""
+    bookkeeping, the process losing its core) and the sends' short spans. In full-speed
+    seconds by ``work``, when given."""
     if not spans:
         return 0.0
-    length = max(s.end for s in spans) - min(s.start for s in spans)
-    accounted = sum(s.duration for s in spans if s.action.kind not in SENDS)
+    took = work or (lambda start, end: end - start)
+    length = took(min(s.start for s in spans), max(s.end for s in spans))
+    accounted = sum(took(s.start, s.end) for s in spans if s.action.kind not in SENDS)
     return max(length - accounted, 0.0) / len(spans)
 
 
@@ -205,18 +275,22 @@ def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     """The schedule simulated with what was measured in step ``step``: each stage's mean
     forward, backward, weight and optimizer-step times, each rank's runtime overhead per
     action, and the step's message latency (:func:`message_latency`; the start-up measurement
-    when no receive waited). What differs from the measured step is what the simulator's model
-    of waiting gets wrong."""
+    when no receive waited). When the ranks shared too few cores (:func:`shared_cores`), the
+    costs are converted to full speed (:func:`full_speed`) and simulated on that many cores.
+    What differs from the measured step is what the simulator's model of waiting gets wrong."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
-    cost = measured_costs(spans, schedule.stages)
+    cores = shared_cores(traces)
+    work = full_speed(spans, cores)
+    cost = measured_costs(spans, schedule.stages, work)
     latency = message_latency(spans)
+    overhead = [runtime_overhead(t.steps[step], work) for t in traces]
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
             transfer=max(t.link_latency for t in traces) if latency is None else latency,
-            optimizer_step=cost[Kind.STEP],
-            weight=cost[Kind.WEIGHT], overhead=[runtime_overhead(t.steps[step]) for t in traces],
+            optimizer_step=cost[Kind.STEP], weight=cost[Kind.WEIGHT], overhead=overhead,
+            cores=cores,
         ).timeline
     )
 

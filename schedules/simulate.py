@@ -6,7 +6,9 @@ its link (``transfer`` seconds after it left). Besides its own cost every action
 ``overhead`` seconds of its rank's time (the runtime's bookkeeping: posting messages, picking the
 next action; zero by default), which is neither compute nor waiting. A hand-off between two
 stages on the same rank is no message and costs nothing: the list order already puts the
-producer first.
+producer first. Ranks may share processors (``cores``): while more ranks run than there are
+cores, each runs proportionally slower (processor sharing), as stage processes do on a CPU with
+fewer cores than ranks.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -18,6 +20,8 @@ the safe bound; ``peak_full`` counts those still holding all their activations (
 
 from __future__ import annotations
 
+import heapq
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,6 +110,7 @@ def simulate(
     *,
     weight: float | Sequence[float] | None = None,
     overhead: float | Sequence[float] = 0.0,
+    cores: int | None = None,
     calls: int = 1,
     flush: bool = True,
 ) -> Simulation:
@@ -120,6 +125,11 @@ def simulate(
     ``backward`` is the B (input-gradient) time. For a schedule without W it may still be given
     (B then costs backward + weight), so that one set of costs times both kinds of schedule.
 
+    ``cores``: the ranks share that many processors (None: each rank has its own). While k
+    ranks run (compute, step or overhead; a rank waiting for a message needs no processor),
+    each runs at min(1, cores / k) of full speed: processor sharing, as when more stage
+    processes than cores share a CPU. The costs are then full-speed times.
+
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
     steady-state cost per train_step is ``steady_state``'s.
@@ -127,63 +137,150 @@ def simulate(
     validate(schedule)
     if schedule.asynchronous:
         schedule = unroll(schedule, calls, flush)
-    p, ranks = schedule.stages, schedule.ranks
-    cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
-    link = _per_stage(transfer, max(p - 1, 0), "transfer")
-    extra = _per_stage(overhead, ranks, "overhead")
-    memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
-    identity = schedule.one_stage_per_rank  # then spans need no rank: it is their stage
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores must be at least 1, got {cores}")
+    return _Run(schedule, forward, backward, weight, optimizer_step, transfer, overhead,
+                cores).result()
 
-    clock = [0.0] * ranks
-    cursor = [0] * ranks
-    produced: dict[Action, float] = {}  # compute action -> end time
-    arrival: dict[Action, float] = {}  # receive action -> when its message is there
-    held, full = [0] * ranks, [0] * ranks
-    peak, peak_full = [0] * ranks, [0] * ranks
-    busy = [0.0] * ranks
-    spans: list[Span] = []
-    pending = sum(len(v) for v in schedule.actions.values())
-    while pending:
-        moved = False
-        for r in range(ranks):
-            ops = schedule.actions[r]
-            where = None if identity else r
-            while cursor[r] < len(ops):
-                a = ops[cursor[r]]
-                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                    if a not in arrival:
-                        break
-                    spans.append(Span(a, clock[r], max(clock[r], arrival[a]), where))
-                    clock[r] = spans[-1].end
-                elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+
+class _Run:
+    """The event-driven simulation behind ``simulate``. A rank is free (taking its next
+    action), waiting for a message, or running a piece of work: a compute or step action, or
+    its overhead after an action. Work is counted in full-speed seconds on a virtual clock that
+    runs at the shared speed (min(1, cores / running ranks)), so every running piece advances
+    alike and they end in the order of their virtual end times."""
+
+    def __init__(  # type: ignore[no-untyped-def]
+        self, schedule: Schedule, forward, backward, weight, optimizer_step, transfer,
+        overhead, cores: int | None,
+    ):
+        self.schedule, self.cores = schedule, cores
+        self.cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
+        ranks = schedule.ranks
+        self.link = _per_stage(transfer, max(schedule.stages - 1, 0), "transfer")
+        self.extra = _per_stage(overhead, ranks, "overhead")
+        self.memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
+        self.now = self.virtual = 0.0
+        self.cursor = [0] * ranks
+        self.free_since = [0.0] * ranks  # when the rank last became free (a wait starts there)
+        self.in_overhead = [False] * ranks  # the running piece is the overhead of the action
+        self.started = [0.0] * ranks
+        self.running: list[tuple[float, int]] = []  # heap: (virtual end, rank)
+        self.waiting: dict[Action, int] = {}  # receive -> the rank blocked on it
+        self.arrivals: list[tuple[float, int, Action]] = []  # heap: (time, tie-break, receive)
+        self.arrival: dict[Action, float] = {}
+        self.sends: dict[Action, list[tuple[Action, float]]] = {}  # compute -> its messages
+        for ops in schedule.actions.values():
+            for a in ops:
+                if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                     source = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
-                    hop = link[min(a.stage, a.peer or 0)]
-                    arrival[a.matching()] = produced[Action(source, a.stage, a.microbatch)] + hop
-                else:
-                    took = cost[a.kind][a.stage]
-                    spans.append(Span(a, clock[r], clock[r] + took, where))
-                    clock[r] += took
-                    busy[r] += took if a.kind is not Kind.STEP else 0.0
-                    produced[a] = clock[r]
-                    d_held, d_full = memory.get(a.kind, (0, 0))
-                    held[r] += d_held
-                    full[r] += d_full
-                    peak[r] = max(peak[r], held[r])
-                    peak_full[r] = max(peak_full[r], full[r])
-                clock[r] += extra[r]
-                cursor[r] += 1
-                pending -= 1
-                moved = True
-        if not moved:  # unreachable for a deadlock-free schedule; kept as a guard
-            raise RuntimeError(f"simulation of {schedule.name!r} made no progress")
-    return Simulation(
-        step_time=max(clock) if clock else 0.0,
-        busy=tuple(busy),
-        peak_inflight=tuple(peak),
-        finish=tuple(clock),
-        timeline=tuple(spans),
-        peak_full=tuple(peak_full),
-    )
+                    hop = self.link[min(a.stage, a.peer or 0)]
+                    self.sends.setdefault(Action(source, a.stage, a.microbatch), []).append(
+                        (a.matching(), hop)
+                    )
+        self.busy = [0.0] * ranks
+        self.held, self.full = [0] * ranks, [0] * ranks
+        self.peak, self.peak_full = [0] * ranks, [0] * ranks
+        self.spans: list[Span] = []
+
+    def result(self) -> Simulation:
+        ready = list(range(self.schedule.ranks))
+        while True:
+            for r in ready:
+                self._advance(r)
+            if not self.running and not self.arrivals:
+                break
+            ready = self._next_event()
+        if any(c < len(self.schedule.actions[r]) for r, c in enumerate(self.cursor)):
+            raise RuntimeError(f"simulation of {self.schedule.name!r} made no progress")
+        finish = tuple(self.free_since)
+        return Simulation(
+            step_time=max(finish, default=0.0), busy=tuple(self.busy),
+            peak_inflight=tuple(self.peak), finish=finish, timeline=tuple(self.spans),
+            peak_full=tuple(self.peak_full),
+        )
+
+    def _span(self, action: Action, start: float, r: int) -> None:
+        self.spans.append(
+            Span(action, start, self.now, None if self.schedule.one_stage_per_rank else r)
+        )
+
+    def _run(self, r: int, work: float, overhead: bool) -> bool:
+        """Start a piece of ``work`` full-speed seconds on rank r; False if it takes none."""
+        if work <= 0:
+            return False
+        self.in_overhead[r], self.started[r] = overhead, self.now
+        heapq.heappush(self.running, (self.virtual + work, r))
+        return True
+
+    def _advance(self, r: int) -> None:
+        """Take rank r's actions that need no time, until it runs a piece of work, waits for
+        a message or is done."""
+        ops = self.schedule.actions[r]
+        while self.cursor[r] < len(ops):
+            a = ops[self.cursor[r]]
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                if self.arrival.get(a, math.inf) > self.now:
+                    self.waiting[a] = r
+                    return
+                self._span(a, self.free_since[r], r)
+            elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                pass  # posted when its compute ended (see _done), as the runtime does
+            elif self._run(r, self.cost[a.kind][a.stage], overhead=False):
+                return
+            else:
+                self._done(r, a)
+            if self._run(r, self.extra[r], overhead=True):
+                return
+            self.cursor[r] += 1
+            self.free_since[r] = self.now
+
+    def _done(self, r: int, a: Action) -> None:
+        """Compute or step action ``a`` of rank r ends now."""
+        cost = self.cost[a.kind][a.stage]
+        self._span(a, self.started[r] if cost > 0 else self.now, r)
+        if a.kind is not Kind.STEP:  # at full speed it took its cost (to the last bit)
+            self.busy[r] += cost if self.cores is None else self.spans[-1].duration
+        for receive, hop in self.sends.get(a, ()):
+            self.arrival[receive] = self.now + hop
+            heapq.heappush(self.arrivals, (self.now + hop, len(self.arrival), receive))
+        d_held, d_full = self.memory.get(a.kind, (0, 0))
+        self.held[r] += d_held
+        self.full[r] += d_full
+        self.peak[r] = max(self.peak[r], self.held[r])
+        self.peak_full[r] = max(self.peak_full[r], self.full[r])
+
+    def _next_event(self) -> list[int]:
+        """Move the clocks to the next end of a piece of work or arrival of a message; return
+        the ranks that are free again."""
+        speed = 1.0 if self.cores is None else min(1.0, self.cores / max(len(self.running), 1))
+        ends = math.inf
+        if self.running:  # without sharing the virtual clock is the clock, to the last bit
+            left = self.running[0][0] - self.virtual
+            ends = self.running[0][0] if self.cores is None else self.now + left / speed
+        lands = self.arrivals[0][0] if self.arrivals else math.inf
+        if ends <= lands:
+            self.virtual, self.now = self.running[0][0], ends
+        else:
+            shared = self.virtual + (lands - self.now) * speed
+            self.virtual = lands if self.cores is None else shared
+            self.now = lands
+        ready = []
+        while self.running and self.running[0][0] <= self.virtual:
+            _, r = heapq.heappop(self.running)
+            a = self.schedule.actions[r][self.cursor[r]]
+            if not self.in_overhead[r]:
+                self._done(r, a)
+                if self._run(r, self.extra[r], overhead=True):
+                    continue
+            self.cursor[r] += 1
+            self.free_since[r] = self.now
+            ready.append(r)
+        while self.arrivals and self.arrivals[0][0] <= self.now:
+            _, _, receive = heapq.heappop(self.arrivals)
+            if receive in self.waiting:
+                ready.append(self.waiting.pop(receive))
+        return ready
 
 
 def steady_state(

@@ -9,8 +9,15 @@ import pytest
 from torch import nn
 
 import pipetrain
-from pipetrain.trace import load_folder, report, runtime_overhead
-from schedules import Action, Kind, Span
+from pipetrain.trace import (
+    RankTrace,
+    full_speed,
+    load_folder,
+    report,
+    runtime_overhead,
+    shared_cores,
+)
+from schedules import Action, Kind, Span, build
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -64,6 +71,37 @@ def test_runtime_overhead_is_the_unaccounted_time_per_action():
     # 3.5 s long; F, RECV, B and STEP account for 2.75 s; the rest spread over 5 actions
     assert runtime_overhead(spans) == pytest.approx(0.75 / 5)
     assert runtime_overhead([]) == 0.0
+
+
+def test_full_speed_work_of_ranks_sharing_one_core():
+    # rank 0 runs 0-4 s but waits in a receive from 1 to 3; rank 1 runs 0-2 s. One core:
+    # 0-1 two run (half speed), 1-2 rank 1 alone, 2-3 nobody (a rank would run at full
+    # speed), 3-4 rank 0 alone.
+    spans = [
+        Span(_a(Kind.FORWARD, 0, 0), 0.0, 1.0),
+        Span(_a(Kind.RECV_GRAD, 0, 0), 1.0, 3.0),
+        Span(_a(Kind.BACKWARD, 0, 0), 3.0, 4.0),
+        Span(_a(Kind.FORWARD, 1, 0), 0.0, 2.0),
+    ]
+    work = full_speed(spans, cores=1)
+    assert work(0.0, 1.0) == pytest.approx(0.5)
+    assert work(0.0, 2.0) == pytest.approx(1.5)
+    assert work(0.5, 3.5) == pytest.approx(0.25 + 1.0 + 1.0 + 0.5)
+    assert full_speed(spans, cores=2)(0.0, 4.0) == pytest.approx(4.0)  # never short of cores
+    assert full_speed(spans, None)(0.5, 3.5) == pytest.approx(3.0)
+    # the overhead of rank 0 (no gaps) stays 0; measured in full-speed seconds as well
+    assert runtime_overhead(spans[:3], work) == pytest.approx(0.0)
+
+
+def test_shared_cores_only_for_ranks_on_one_host_beyond_its_cores():
+    def trace(rank, host, cores, threads=1):
+        return RankTrace(rank, rank, build("1f1b", 4, 4), [], 0.0, host, cores, threads)
+
+    assert shared_cores([trace(r, "a", 2) for r in range(4)]) == 2
+    assert shared_cores([trace(r, "a", 8, threads=4) for r in range(4)]) == 2
+    assert shared_cores([trace(r, "a", 4) for r in range(4)]) is None  # a core each
+    assert shared_cores([trace(r, "ab"[r % 2], 2) for r in range(4)]) is None  # two hosts
+    assert shared_cores([trace(r, "a", 0) for r in range(4)]) is None  # not recorded
 
 
 @pytest.mark.parametrize("world", [2, 4])

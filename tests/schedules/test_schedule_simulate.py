@@ -347,3 +347,52 @@ def test_receive_of_micro_batch_zero_is_what_gates_stage_one():
     sim = simulate(gpipe(2, 1), 1.0, 1.0, 100.0)
     assert sim.finish[1] == pytest.approx(1.0 + 100.0 + 1.0 + 1.0)
     assert sim.step_time == pytest.approx(1.0 + 100.0 + 2.0 + 100.0 + 1.0)
+
+
+# -- ranks sharing cores (processor sharing) ----------------------------------------------------
+
+
+def test_two_ranks_on_one_core_by_hand():
+    # 1F1B, 2 stages, 2 micro-batches, f = b = 1, one core. Rank 1 starts when F0 ends (t=1);
+    # from then on both ranks run (each at half speed) until rank 1 has nothing ready, and the
+    # core is never idle: the step takes the whole work, 8 s, instead of 6 s unshared.
+    sim = simulate(one_f_one_b(2, 2), 1.0, 1.0, cores=1)
+    assert sim.step_time == pytest.approx(8.0)
+    shared = {s.action: (s.start, s.end) for s in sim.timeline}
+    assert shared[Action(F, 0, 0)] == pytest.approx((0.0, 1.0))  # alone: full speed
+    assert shared[Action(F, 0, 1)] == pytest.approx((1.0, 3.0))  # beside rank 1's F0: half speed
+    assert shared[Action(F, 1, 0)] == pytest.approx((1.0, 3.0))
+    # busy is the stretched time, as the runtime measures it, so the timeline's bubble agrees
+    assert sum(sim.busy) == pytest.approx(sum(s.duration for s in sim.timeline
+                                              if s.action.kind in (Kind.FORWARD, Kind.BACKWARD)))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_core_is_never_idle_without_transfers(seed):
+    # with no transfer and no overhead some rank can always run (the schedule cannot
+    # deadlock), so one shared core finishes after exactly all the work
+    rng = random.Random(7000 + seed)
+    p, m = rng.randint(2, 6), rng.randint(1, 8)
+    kind = rng.choice(["gpipe", "1f1b", "random"])
+    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    fwd, bwd, _, opt = random_costs(p, rng)
+    sim = simulate(schedule, fwd, bwd, 0.0, opt, cores=1)
+    assert sim.step_time == pytest.approx(m * (sum(fwd) + sum(bwd)) + sum(opt))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_enough_cores_change_nothing_and_fewer_cost_time(seed):
+    rng = random.Random(8000 + seed)
+    p, m = rng.randint(2, 6), rng.randint(1, 8)
+    schedule = build(rng.choice(["gpipe", "1f1b"]), p, m)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    alone = simulate(schedule, fwd, bwd, link, opt)
+    assert simulate(schedule, fwd, bwd, link, opt, cores=p).finish == pytest.approx(alone.finish)
+    shared = simulate(schedule, fwd, bwd, link, opt, cores=1)
+    assert shared.step_time >= alone.step_time - 1e-9
+    assert shared.step_time >= m * (sum(fwd) + sum(bwd)) - 1e-9  # one core does it all
+
+
+def test_cores_must_be_positive():
+    with pytest.raises(ValueError, match="cores must be at least 1"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=0)
