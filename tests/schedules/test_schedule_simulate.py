@@ -217,6 +217,13 @@ def test_heterogeneous_lower_bounds(name, seed):
     assert 0.0 <= sim.bubble_fraction < 1.0
 
 
+def random_case(rng, fewest, most):
+    """Stages in [fewest, most], 1 to 8 micro-batches, GPipe, 1F1B or a random valid list."""
+    p, m = rng.randint(fewest, most), rng.randint(1, 8)
+    kind = rng.choice(["gpipe", "1f1b", "random"])
+    return p, m, random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+
+
 def timeline_finish(schedule, fwd, bwd, link, opt):
     times = longest_path_times(schedule, fwd, bwd, link, opt)
     return [times[(s, len(schedule.actions[s]) - 1)] for s in range(schedule.stages)]
@@ -225,9 +232,7 @@ def timeline_finish(schedule, fwd, bwd, link, opt):
 @pytest.mark.parametrize("seed", range(30))
 def test_simulator_agrees_with_longest_path_model(seed):
     rng = random.Random(1000 + seed)
-    p, m = rng.randint(1, 6), rng.randint(1, 8)
-    kind = rng.choice(["gpipe", "1f1b", "random"])
-    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    p, m, schedule = random_case(rng, 1, 6)
     fwd, bwd, link, opt = random_costs(p, rng)
     sim = simulate(schedule, fwd, bwd, link, opt)
     expected = timeline_finish(schedule, fwd, bwd, link, opt)
@@ -250,9 +255,7 @@ def simulate_with_action_times(schedule, *costs):
 @pytest.mark.parametrize("seed", range(25))
 def test_simulated_actions_respect_every_dependency_and_start_as_early_as_possible(seed):
     rng = random.Random(5000 + seed)
-    p, m = rng.randint(2, 6), rng.randint(1, 8)
-    kind = rng.choice(["gpipe", "1f1b", "random"])
-    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    p, m, schedule = random_case(rng, 2, 6)
     fwd, bwd, link, opt = random_costs(p, rng)
     sim, end = simulate_with_action_times(schedule, fwd, bwd, link, opt)
     cost = {F: fwd, B: bwd}
@@ -372,9 +375,7 @@ def test_one_core_is_never_idle_without_transfers(seed):
     # with no transfer and no overhead some rank can always run (the schedule cannot
     # deadlock), so one shared core finishes after exactly all the work
     rng = random.Random(7000 + seed)
-    p, m = rng.randint(2, 6), rng.randint(1, 8)
-    kind = rng.choice(["gpipe", "1f1b", "random"])
-    schedule = random_valid_schedule(p, m, rng) if kind == "random" else build(kind, p, m)
+    p, m, schedule = random_case(rng, 2, 6)
     fwd, bwd, _, opt = random_costs(p, rng)
     sim = simulate(schedule, fwd, bwd, 0.0, opt, cores=1)
     assert sim.step_time == pytest.approx(m * (sum(fwd) + sum(bwd)) + sum(opt))
