@@ -9,14 +9,15 @@ from partitioner.dp import Split, balance, smallest_cap, solve
 from partitioner.errors import InfeasibleError, PlanFileError, PlanMismatchError, ProfileError
 from partitioner.ilp import solve_ilp
 from partitioner.pipedream import load_pipedream, parse_graph
-from partitioner.planner import plan
-from partitioner.plans import Plan, StagePlan
+from partitioner.planner import plan, predict
+from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Boundary, LayerCost, Profile
 from partitioner.topology import chain, chain_order, cluster
 from partitioner.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = [
     "Boundary",
+    "Host",
     "InfeasibleError",
     "LayerCost",
     "Plan",
@@ -39,6 +40,7 @@ __all__ = [
     "parse_bytes",
     "parse_graph",
     "plan",
+    "predict",
     "problem_from_profile",
     "smallest_cap",
     "solve",

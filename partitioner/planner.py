@@ -10,11 +10,11 @@ import networkx as nx
 from partitioner.costs import problem_from_profile
 from partitioner.dp import Split, solve
 from partitioner.ilp import solve_ilp
-from partitioner.plans import Plan, StagePlan
+from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
 from partitioner.topology import chain_order, is_uniform, link_bandwidths, memory_of, speed_of
 from partitioner.units import parse_bandwidth, parse_bytes
-from schedules import build, simulate
+from schedules import Simulation, build, simulate
 
 SOLVERS = ("auto", "dp", "ilp")
 
@@ -35,6 +35,8 @@ def plan(
     checkpoint: str = "never",
     microbatch_size: int | None = None,
     solver: str = "auto",
+    cores: int | None = None,
+    overhead: float = 0.0,
 ) -> Plan:
     """Split ``profile`` into ``stages`` stages for ``microbatches`` micro-batches per step.
 
@@ -44,6 +46,10 @@ def plan(
     from :mod:`partitioner.topology` with one device per stage (identical devices: DP with every
     link's own bandwidth; unlike devices: integer program). ``microbatch_size`` defaults to the
     profile's batch size. Raises InfeasibleError when nothing fits, naming the cap that would.
+
+    ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
+    stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
+    runtime spends ``overhead`` seconds of its own per action.
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
@@ -84,7 +90,42 @@ def plan(
         first = [sum(split.replicas[:t]) for t in range(stages)]
         ranks = [list(range(a, a + r)) for a, r in zip(first, split.replicas, strict=True)]
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    return _make_plan(profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp)
+    host = Host(cores, overhead)
+    return _make_plan(
+        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host
+    )
+
+
+def predict(
+    schedule: str,
+    microbatches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    message: Sequence[float],
+    optimizer_step: Sequence[float],
+    host: Host | None = None,
+) -> Simulation:
+    """The planner's prediction of one step: ``schedule`` simulated on per-stage costs
+    (``message``: per boundary, the seconds one activation takes at the link's bandwidth).
+
+    On a ``host`` with ``cores`` the stages are processes sharing that many processors: they run
+    slower while more stages run than there are cores, and a message is a memory copy out of
+    one process and into the next, so its bytes / bandwidth is processor time at both ends
+    (``copy`` in ``schedules.simulate``) rather than time on a link. ``overhead`` is the
+    runtime's own time per action (bookkeeping, posting messages), which a traced run reports
+    (``pipetrain trace``)."""
+    host = host or Host()
+    shared = host.cores is not None
+    return simulate(
+        build(schedule, len(forward), microbatches),
+        forward=forward,
+        backward=backward,
+        transfer=[0.0] * len(message) if shared else message,
+        copy=message if shared else 0.0,
+        optimizer_step=optimizer_step,
+        overhead=host.overhead,
+        cores=host.cores,
+    )
 
 
 def _make_plan(
@@ -96,15 +137,18 @@ def _make_plan(
     microbatch_size: int,
     checkpoint: str,
     by_ilp: bool,
+    host: Host,
 ) -> Plan:
     """The Plan of a split, its step predicted by the schedule simulator."""
     stages = split.stages
-    simulation = simulate(
-        build(schedule, len(stages), microbatches),
-        forward=[s.forward for s in stages],
-        backward=[s.backward for s in stages],
-        transfer=[s.message for s in stages[:-1]],
-        optimizer_step=[s.allreduce for s in stages],
+    simulation = predict(
+        schedule,
+        microbatches,
+        [s.forward for s in stages],
+        [s.backward for s in stages],
+        [s.message for s in stages[:-1]],
+        [s.allreduce for s in stages],
+        host,
     )
     step = simulation.step_time
     per_stage = []
@@ -141,4 +185,5 @@ def _make_plan(
         samples_per_second=microbatches * microbatch_size / step if step > 0 else math.inf,
         device=profile.device,
         solver="ilp" if by_ilp else "dp",
+        host=host,
     )

@@ -10,6 +10,7 @@ JSON format (``version`` 1; times in seconds, sizes in bytes)::
       "stage_to_rank": [0, 1],             (or [[0, 1], [2]] when a stage is replicated)
       "bottleneck": 0.012, "step_time": 0.11, "bubble_fraction": 0.11,
       "samples_per_second": 2327.3,
+      "host": {"cores": null, "overhead": 0.0},   (optional; this is its default)
       "per_stage": [
         {"layers": [0, 3], "ranks": [0], "names": ["0", "1", "2"], "param_counts": [10, 0, 20],
          "forward_time": 0.004, "backward_time": 0.008, "compute_time": 0.012,
@@ -23,13 +24,14 @@ JSON format (``version`` 1; times in seconds, sizes in bytes)::
 micro-batch (a replicated stage's replicas take turns, so its times are divided by the number of
 ranks); ``compute_time`` is forward + backward + the all-reduce amortised over the step's
 micro-batches, ``allreduce_time`` the all-reduce once per step; ``transfer_time`` and
-``transfer_bytes`` describe one activation message to the next stage.
+``transfer_bytes`` describe one activation message to the next stage. ``host`` says what the
+prediction assumed beyond the profile (see :class:`Host`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,29 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Host:
+    """What the prediction assumed of where the stages run, beyond the profile: ``cores``, the
+    processors the stage processes share on one host (None: a device per stage), and
+    ``overhead``, the runtime's own seconds per action (see ``partitioner.planner.predict``)."""
+
+    cores: int | None = None
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be at least 1 (or None), got {self.cores}")
+        if self.overhead < 0:
+            raise ValueError(f"overhead must be >= 0 seconds, got {self.overhead}")
+
+    def describe(self) -> str:
+        """What the prediction assumed, as a clause for a summary line ('' by default)."""
+        said = [f"stages sharing {self.cores} cores"] if self.cores is not None else []
+        if self.overhead:
+            said.append(f"runtime overhead {self.overhead * 1e3:.3f} ms per action")
+        return f" ({'; '.join(said)})" if said else ""
+
+
+@dataclass(frozen=True)
 class Plan:
     """How to cut a model into stages and place them, with the predicted step."""
 
@@ -75,6 +100,7 @@ class Plan:
     samples_per_second: float
     device: str = ""
     solver: str = "dp"
+    host: Host = field(default_factory=Host)
     version: int = VERSION
 
     @property
@@ -133,6 +159,7 @@ class Plan:
         rows.append(
             f"bottleneck {self.bottleneck * 1e3:.3f} ms, step {self.step_time * 1e3:.3f} ms, "
             f"bubble {self.bubble_fraction:.1%}, {self.samples_per_second:,.1f} samples/s"
+            + self.host.describe()
         )
         return "\n".join(rows)
 
@@ -159,9 +186,11 @@ class Plan:
             )
         stages = [_stage_from_dict(s, t) for t, s in enumerate(_field(data, "per_stage", "plan"))]
         values = {
-            f.name: _field(data, f.name, "plan") for f in fields(cls) if f.name != "per_stage"
+            f.name: _field(data, f.name, "plan")
+            for f in fields(cls)
+            if f.name not in ("per_stage", "host")
         }
-        return cls(**{**values, "per_stage": stages})
+        return cls(**{**values, "per_stage": stages, "host": _host_from_dict(data.get("host"))})
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON to ``path``."""
@@ -180,6 +209,15 @@ def _field(data: dict[str, Any], key: str, where: str) -> Any:
     if key not in data:
         raise PlanFileError(f"{where} is missing the field {key!r}")
     return data[key]
+
+
+def _host_from_dict(data: Any) -> Host:
+    if data is None:
+        return Host()
+    try:
+        return Host(**data)
+    except (TypeError, ValueError) as err:
+        raise PlanFileError(f"plan's host {data!r} is not valid: {err}") from None
 
 
 def _stage_from_dict(data: Any, index: int) -> StagePlan:

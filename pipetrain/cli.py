@@ -26,10 +26,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from partitioner import InfeasibleError, Plan, Profile, format_bytes, load_pipedream, parse_bytes
+from partitioner import (
+    Host,
+    InfeasibleError,
+    Plan,
+    Profile,
+    format_bytes,
+    load_pipedream,
+    parse_bytes,
+    predict,
+)
 from partitioner.costs import StageCost, evaluate, problem_from_profile
 from partitioner.units import parse_bandwidth
-from schedules import GENERATORS, Simulation, build, simulate
+from schedules import GENERATORS, Simulation
 
 PROG = "pipetrain"
 PIPEDREAM_PREFIX = "pipedream:"
@@ -177,10 +186,10 @@ def simulate_split(
     microbatch_size: int | None = None,
     checkpoint: str = "never",
     bandwidth: float | str | None = None,
-    cores: int | None = None,
+    host: Host | None = None,
 ) -> Simulation:
-    """The schedule simulated on :func:`stage_costs` (the planner's prediction of a split);
-    ``cores``: the stages share that many processors (see ``schedules.simulate``)."""
+    """The planner's prediction of a split (:func:`partitioner.predict` on
+    :func:`stage_costs`), e.g. of a uniform one to compare with a plan."""
     costs = stage_costs(
         profile,
         balance,
@@ -190,12 +199,14 @@ def simulate_split(
         checkpoint=checkpoint,
         bandwidth=bandwidth,
     )
-    return simulate(
-        build(schedule, len(costs), microbatches),
-        forward=[s.forward for s in costs],
-        backward=[s.backward for s in costs],
-        transfer=[s.message for s in costs[:-1]],
-        cores=cores,
+    return predict(
+        schedule,
+        microbatches,
+        [s.forward for s in costs],
+        [s.backward for s in costs],
+        [s.message for s in costs[:-1]],
+        [0.0] * len(costs),
+        host,
     )
 
 
@@ -299,6 +310,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from partitioner import plan as make_plan
 
     profile = _load_profile(args.profile, args.batch_size)
+    host = _host(args)
     try:
         result = make_plan(
             profile,
@@ -311,6 +323,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             checkpoint=args.checkpoint,
             microbatch_size=args.microbatch_size,
             solver=args.solver,
+            cores=host.cores,
+            overhead=host.overhead,
         )
     except InfeasibleError as error:
         message = " ".join(str(error).split())
@@ -349,6 +363,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         transfer = [s.transfer_time for s in plan.per_stage[:-1]]
         allreduce = [s.allreduce_time for s in plan.per_stage]
         memory: list[int] | None = None
+        host = _host(args, plan.host)
     else:
         profile = _load_profile(source, args.batch_size)
         if args.balance is None:
@@ -373,6 +388,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         transfer = [s.message for s in costs[:-1]]
         allreduce = [0.0] * len(costs)
         memory = [s.memory for s in costs]
+        host = _host(args)
         refused = [c for c in _cuts(balance) if not profile.cut_allowed(c)]
         if refused:
             note = (
@@ -380,13 +396,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "tensors cross there); the planner would not choose this split"
             )
     try:
-        result = simulate(
-            build(schedule, len(balance), microbatches),
-            forward=forward,
-            backward=backward,
-            transfer=transfer,
-            optimizer_step=allreduce,
-        )
+        result = predict(schedule, microbatches, forward, backward, transfer, allreduce, host)
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(
@@ -420,6 +430,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if size and result.step_time > 0
             else ""
         )
+        + host.describe()
     )
     rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
     if note:
@@ -444,6 +455,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         "(the simulated twin: the schedule timed with this step's measured compute, runtime "
         "overhead and message latency)"
     )
+    overheads = ", ".join(f"{o * 1e3:.3f}" for o in result["overhead"])
+    print(f"runtime overhead per action, ms per rank: {overheads} (for `plan --overhead-ms`)")
     print(f"Chrome/Perfetto trace: {result['trace']}")
     if "picture" in result:
         print(f"timeline picture: {result['picture']}")
@@ -484,6 +497,29 @@ def _add_planning_options(p: argparse.ArgumentParser) -> None:
         help="activation checkpointing of every micro-batch (default: never)",
     )
     p.add_argument("--bandwidth", help="between consecutive stages, e.g. 25GB/s or 100Gbit/s")
+    p.add_argument(
+        "--cores",
+        type=int,
+        help="the stages are processes sharing this many cores of one host (a CPU machine): "
+        "predict with processor sharing, messages as copies at --bandwidth",
+    )
+    p.add_argument(
+        "--overhead-ms",
+        type=float,
+        help="the runtime's own time per action, as `pipetrain trace` reports it (default 0)",
+    )
+
+
+def _host(args: argparse.Namespace, default: Host | None = None) -> Host:
+    """The --cores / --overhead-ms a prediction assumes (each defaulting to ``default``'s)."""
+    default = default or Host()
+    try:
+        return Host(
+            default.cores if args.cores is None else args.cores,
+            default.overhead if args.overhead_ms is None else args.overhead_ms / 1e3,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -271,6 +271,14 @@ def message_latency(spans: Sequence[Span]) -> float | None:
     return statistics.median(seen) if seen else None
 
 
+def step_overheads(traces: Sequence[RankTrace], step: int = -1) -> list[float]:
+    """Each rank's runtime overhead per action in step ``step`` (:func:`runtime_overhead`), in
+    full-speed seconds when the ranks shared too few cores: what ``pipetrain plan
+    --overhead-ms`` takes."""
+    work = full_speed(step_spans(traces, step), shared_cores(traces))
+    return [runtime_overhead(t.steps[step], work) for t in traces]
+
+
 def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     """The schedule simulated with what was measured in step ``step``: each stage's mean
     forward, backward, weight and optimizer-step times, each rank's runtime overhead per
@@ -284,7 +292,7 @@ def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     work = full_speed(spans, cores)
     cost = measured_costs(spans, schedule.stages, work)
     latency = message_latency(spans)
-    overhead = [runtime_overhead(t.steps[step], work) for t in traces]
+    overhead = step_overheads(traces, step)
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
@@ -309,6 +317,7 @@ def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
         "steps": min(len(t.steps) for t in traces),
         "measured_bubble": bubble_fraction(measured),
         "simulated_bubble": bubble_fraction(twin),
+        "overhead": step_overheads(traces, step),
     }
     if png:
         from pipetrain.gantt import draw

@@ -8,7 +8,9 @@ next action; zero by default), which is neither compute nor waiting. A hand-off 
 stages on the same rank is no message and costs nothing: the list order already puts the
 producer first. Ranks may share processors (``cores``): while more ranks run than there are
 cores, each runs proportionally slower (processor sharing), as stage processes do on a CPU with
-fewer cores than ranks.
+fewer cores than ranks. A message may also cost processor time (``copy``): on one host a message
+is a memory copy out of the sender and one into the receiver, done by their transport threads
+alongside compute, so on shared cores the copies slow compute down and compute slows them.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -21,6 +23,7 @@ the safe bound; ``peak_full`` counts those still holding all their activations (
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -111,6 +114,7 @@ def simulate(
     weight: float | Sequence[float] | None = None,
     overhead: float | Sequence[float] = 0.0,
     cores: int | None = None,
+    copy: float | Sequence[float] = 0.0,
     calls: int = 1,
     flush: bool = True,
 ) -> Simulation:
@@ -130,6 +134,11 @@ def simulate(
     each runs at min(1, cores / k) of full speed: processor sharing, as when more stage
     processes than cores share a CPU. The costs are then full-speed times.
 
+    ``copy``: per boundary (or one scalar), the processor time each end of a message spends
+    copying it, sender and receiver at once (a transfer over loopback TCP). The message leaves
+    when both copies are done, then takes ``transfer`` more. Without ``cores`` this only delays
+    it; with ``cores`` the two copies are running work like compute and share the processors.
+
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
     steady-state cost per train_step is ``steady_state``'s.
@@ -140,24 +149,26 @@ def simulate(
     if cores is not None and cores < 1:
         raise ValueError(f"cores must be at least 1, got {cores}")
     return _Run(schedule, forward, backward, weight, optimizer_step, transfer, overhead,
-                cores).result()
+                cores, copy).result()
 
 
 class _Run:
     """The event-driven simulation behind ``simulate``. A rank is free (taking its next
     action), waiting for a message, or running a piece of work: a compute or step action, or
-    its overhead after an action. Work is counted in full-speed seconds on a virtual clock that
-    runs at the shared speed (min(1, cores / running ranks)), so every running piece advances
-    alike and they end in the order of their virtual end times."""
+    its overhead after an action. A message being copied is a piece of work too, run by two
+    threads (its sender's and its receiver's copy). Work is counted in full-speed seconds on a
+    virtual clock that runs at the shared speed (min(1, cores / running threads)), so every
+    running piece advances alike and they end in the order of their virtual end times."""
 
     def __init__(  # type: ignore[no-untyped-def]
         self, schedule: Schedule, forward, backward, weight, optimizer_step, transfer,
-        overhead, cores: int | None,
+        overhead, cores: int | None, copy,
     ):
         self.schedule, self.cores = schedule, cores
         self.cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
         ranks = schedule.ranks
         self.link = _per_stage(transfer, max(schedule.stages - 1, 0), "transfer")
+        copies = _per_stage(copy, max(schedule.stages - 1, 0), "copy")
         self.extra = _per_stage(overhead, ranks, "overhead")
         self.memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
         self.now = self.virtual = 0.0
@@ -165,18 +176,23 @@ class _Run:
         self.free_since = [0.0] * ranks  # when the rank last became free (a wait starts there)
         self.in_overhead = [False] * ranks  # the running piece is the overhead of the action
         self.started = [0.0] * ranks
-        self.running: list[tuple[float, int]] = []  # heap: (virtual end, rank)
+        # heap: (virtual end, tie-break: ranks first, rank or the receive of a message copied)
+        self.running: list[tuple[float, int, int | Action]] = []
+        self.threads = 0  # running: one per rank, two per message
+        self.hops: dict[Action, float] = {}  # message being copied -> its transfer after
+        self.copy_order = itertools.count(schedule.ranks)  # ties: ranks, then copies in order
         self.waiting: dict[Action, int] = {}  # receive -> the rank blocked on it
         self.arrivals: list[tuple[float, int, Action]] = []  # heap: (time, tie-break, receive)
         self.arrival: dict[Action, float] = {}
-        self.sends: dict[Action, list[tuple[Action, float]]] = {}  # compute -> its messages
+        # compute -> its messages: (receive, transfer, copy)
+        self.sends: dict[Action, list[tuple[Action, float, float]]] = {}
         for ops in schedule.actions.values():
             for a in ops:
                 if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                     source = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
-                    hop = self.link[min(a.stage, a.peer or 0)]
+                    boundary = min(a.stage, a.peer or 0)
                     self.sends.setdefault(Action(source, a.stage, a.microbatch), []).append(
-                        (a.matching(), hop)
+                        (a.matching(), self.link[boundary], copies[boundary])
                     )
         self.busy = [0.0] * ranks
         self.held, self.full = [0] * ranks, [0] * ranks
@@ -210,8 +226,17 @@ class _Run:
         if work <= 0:
             return False
         self.in_overhead[r], self.started[r] = overhead, self.now
-        heapq.heappush(self.running, (self.virtual + work, r))
+        self._start(work, r, r, threads=1)
         return True
+
+    def _start(self, work: float, order: int, key: int | Action, threads: int) -> None:
+        self.threads += threads
+        heapq.heappush(self.running, (self.virtual + work, order, key))
+
+    def _post(self, receive: Action, hop: float) -> None:
+        """The message for ``receive`` leaves now and lands ``hop`` later."""
+        self.arrival[receive] = self.now + hop
+        heapq.heappush(self.arrivals, (self.now + hop, len(self.arrival), receive))
 
     def _advance(self, r: int) -> None:
         """Take rank r's actions that need no time, until it runs a piece of work, waits for
@@ -241,9 +266,12 @@ class _Run:
         self._span(a, self.started[r] if cost > 0 else self.now, r)
         if a.kind is not Kind.STEP:  # at full speed it took its cost (to the last bit)
             self.busy[r] += cost if self.cores is None else self.spans[-1].duration
-        for receive, hop in self.sends.get(a, ()):
-            self.arrival[receive] = self.now + hop
-            heapq.heappush(self.arrivals, (self.now + hop, len(self.arrival), receive))
+        for receive, hop, copy in self.sends.get(a, ()):
+            if self.cores is None or copy <= 0:
+                self._post(receive, copy + hop)
+            else:
+                self.hops[receive] = hop
+                self._start(copy, next(self.copy_order), receive, threads=2)
         d_held, d_full = self.memory.get(a.kind, (0, 0))
         self.held[r] += d_held
         self.full[r] += d_full
@@ -253,7 +281,7 @@ class _Run:
     def _next_event(self) -> list[int]:
         """Move the clocks to the next end of a piece of work or arrival of a message; return
         the ranks that are free again."""
-        speed = 1.0 if self.cores is None else min(1.0, self.cores / max(len(self.running), 1))
+        speed = 1.0 if self.cores is None else min(1.0, self.cores / max(self.threads, 1))
         ends = math.inf
         if self.running:  # without sharing the virtual clock is the clock, to the last bit
             left = self.running[0][0] - self.virtual
@@ -267,7 +295,12 @@ class _Run:
             self.now = lands
         ready = []
         while self.running and self.running[0][0] <= self.virtual:
-            _, r = heapq.heappop(self.running)
+            _, _, key = heapq.heappop(self.running)
+            if isinstance(key, Action):  # both copies of a message are done
+                self.threads -= 2
+                self._post(key, self.hops.pop(key))
+                continue
+            r, self.threads = key, self.threads - 1
             a = self.schedule.actions[r][self.cursor[r]]
             if not self.in_overhead[r]:
                 self._done(r, a)

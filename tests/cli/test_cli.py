@@ -109,6 +109,19 @@ def test_profile_plan_simulate_agree(profile_path, tmp_path, capsys):
     assert code == 0, err
     assert "peak in-flight micro-batches per stage: [4, 4]" in out
 
+    # On a shared host the plan, and simulating it, predict the same (longer) step.
+    shared_path = tmp_path / "shared.json"
+    host = "--cores 1 --overhead-ms 0.05"
+    code, out, err = run(f"plan {profile_path} --stages 2 --microbatches 4 --memory 1GiB "
+                         f"--bandwidth 1GB/s {host} -o {shared_path}", capsys)
+    assert code == 0, err
+    shared = Plan.load(shared_path)
+    assert shared.balance == plan.balance and shared.step_time > plan.step_time
+    assert "(stages sharing 1 cores; runtime overhead 0.050 ms per action)" in out
+    code, out, err = run(f"simulate {shared_path}", capsys)
+    assert code == 0, err
+    assert f"predicted step time {shared.step_time * 1e3:.3f} ms" in out
+
 
 def test_infeasible_cap_names_a_cap_that_works(profile_path, tmp_path, capsys):
     args = f"plan {profile_path} --stages 3 --microbatches 4"
@@ -184,6 +197,7 @@ def test_bad_inputs_exit_2_with_one_line(profile_path, tmp_path, capsys):
         (f"plan {profile_path} --stages 40 --microbatches 2", "use at most 16 stages"),
         (f"simulate {profile_path} --balance 3,3 --microbatches 2", "the profile's 16 layers"),
         (f"simulate {profile_path} --microbatches 2", "needs --balance"),
+        (f"plan {profile_path} {split} --cores 0", "cores must be at least 1"),
     ]
     for command, expected in cases:
         code, out, err = run(command, capsys)
@@ -242,6 +256,12 @@ def test_trace_and_consolidate_verbs(tmp_path, capsys):
     assert main(["trace", str(tmp_path / "t"), "--no-png"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks, 2 steps traced" in out and (tmp_path / "t" / "trace.json").exists()
+    from pipetrain.trace import load_folder, step_overheads
+
+    overheads = step_overheads(load_folder(tmp_path / "t"))
+    assert len(overheads) == 2 and all(o > 0 for o in overheads)
+    listed = ", ".join(f"{o * 1e3:.3f}" for o in overheads)
+    assert f"runtime overhead per action, ms per rank: {listed}" in out
     assert main(["consolidate", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.pt")]) == 0
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     assert list(state) == list(mlp().state_dict())

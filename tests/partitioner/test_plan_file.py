@@ -8,6 +8,7 @@ import re
 import pytest
 
 from partitioner import (
+    Host,
     InfeasibleError,
     LayerCost,
     Plan,
@@ -155,3 +156,31 @@ def test_memory_cap_changes_the_split_when_it_binds() -> None:
     tight = plan(profile, stages=3, microbatches=4, schedule="gpipe", memory=peak - 1)
     assert max(s.memory_bytes for s in tight.per_stage) <= peak - 1
     assert tight.bottleneck >= free.bottleneck
+
+
+def test_a_shared_host_changes_the_prediction_not_the_split() -> None:
+    kwargs = dict(stages=3, microbatches=4, bandwidth="1GB/s", microbatch_size=4)
+    alone = plan(_profile(), **kwargs)  # type: ignore[arg-type]
+    shared = plan(_profile(), cores=1, overhead=1e-4, **kwargs)  # type: ignore[arg-type]
+    assert shared.balance == alone.balance and shared.host == Host(1, 1e-4)
+    # one core does everything one piece after another: all compute, each message copied at
+    # both ends (bytes / bandwidth), and the overhead of every action of every rank
+    schedule = build("1f1b", 3, 4)
+    actions = sum(len(ops) for ops in schedule.actions.values())
+    compute = 4 * sum(s.forward_time + s.backward_time for s in alone.per_stage)
+    copies = 2 * 2 * 4 * sum(s.transfer_time for s in alone.per_stage[:-1])
+    assert shared.step_time == pytest.approx(compute + copies + actions * 1e-4)
+    assert shared.step_time > alone.step_time
+    assert f"step {shared.step_time * 1e3:.3f} ms" in shared.table()
+    assert "stages sharing 1 cores; runtime overhead 0.100 ms per action" in shared.table()
+    assert Plan.from_json(shared.to_json()) == shared
+
+
+def test_plans_without_a_host_read_as_a_device_per_stage() -> None:
+    data = json.loads(plan(_profile(), stages=2, microbatches=2, cores=2).to_json())
+    assert data["host"] == {"cores": 2, "overhead": 0.0}
+    del data["host"]  # a plan written before hosts were recorded
+    assert Plan.from_json(json.dumps(data)).host == Host()
+    data["host"] = {"cores": 0, "overhead": 0.0}
+    with pytest.raises(PlanFileError, match="cores must be at least 1"):
+        Plan.from_json(json.dumps(data))

@@ -28,6 +28,7 @@ from schedules import (
     one_f_one_b,
     simulate,
 )
+from schedules.action import SENDS
 
 NAMES = ["gpipe", "1f1b"]
 SIZES = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 13, 16)]
@@ -397,3 +398,44 @@ def test_enough_cores_change_nothing_and_fewer_cost_time(seed):
 def test_cores_must_be_positive():
     with pytest.raises(ValueError, match="cores must be at least 1"):
         simulate(gpipe(2, 2), 1.0, 1.0, cores=0)
+
+
+# -- messages that cost processor time (copies) --------------------------------------------------
+
+
+def test_copies_by_hand():
+    # GPipe, 2 stages, 1 micro-batch, f = b = 1, each end of a message copies for 0.5 s.
+    # Unshared, or on two cores, a copy is a 0.5 s delay: 1 + .5 + 1 + 1 + .5 + 1 = 5 s.
+    for cores in (None, 2):
+        assert simulate(gpipe(2, 1), 1.0, 1.0, copy=0.5, cores=cores).step_time == pytest.approx(5)
+    # On one core the two copies of a message share it (each at half speed, 1 s), and the
+    # core does all the work one piece after another: 4 s of compute + 2 messages x 2 x 0.5.
+    sim = simulate(gpipe(2, 1), 1.0, 1.0, copy=0.5, cores=1)
+    assert sim.step_time == pytest.approx(6.0)
+    assert {s.action: s.start for s in sim.timeline}[Action(F, 1, 0)] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_copies_without_cores_are_transfer_time(seed):
+    rng = random.Random(9000 + seed)
+    p, m, schedule = random_case(rng, 2, 6)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    copy = [rng.choice([0.0, 0.25, 0.5]) for _ in range(p - 1)]
+    delayed = [a + b for a, b in zip(link, copy, strict=True)]
+    sim = simulate(schedule, fwd, bwd, link, opt, copy=copy)
+    assert sim.finish == pytest.approx(simulate(schedule, fwd, bwd, delayed, opt).finish)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_core_does_compute_and_copies_one_after_another(seed):
+    # with copies but no transfer latency some thread can always run, so one core finishes
+    # after all the work: compute, steps, and two copies per message
+    rng = random.Random(9500 + seed)
+    p, m, schedule = random_case(rng, 2, 6)
+    fwd, bwd, _, opt = random_costs(p, rng)
+    copy = [rng.choice([0.25, 0.5, 1.0]) for _ in range(p - 1)]
+    sends = [a for ops in schedule.actions.values() for a in ops if a.kind in SENDS]
+    copies = sum(2 * copy[min(a.stage, a.peer)] for a in sends)
+    sim = simulate(schedule, fwd, bwd, 0.0, opt, copy=copy, cores=1)
+    assert sim.step_time == pytest.approx(m * (sum(fwd) + sum(bwd)) + sum(opt) + copies)
+    assert copies > 0
