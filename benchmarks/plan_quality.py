@@ -106,7 +106,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _probe_copy_rate(rank: int, world: int, size: int, timeout: float) -> float:
+def _probe_copy_rate(rank: int, world: int, size: int) -> float:
     """Bytes per processor-second that one end of a message spends moving it (the bandwidth a
     plan on shared cores charges as copies at both ends), agreed by every rank. Ranks 0 and 1
     ping-pong ``size``-byte and 4-byte messages in alternating blocks; the processor time both
@@ -138,7 +138,7 @@ def _probe_copy_rate(rank: int, world: int, size: int, timeout: float) -> float:
     return size / per_end if per_end > 0 else math.inf
 
 
-def _runtime_overhead(rank: int, world: int, opts: dict) -> float:
+def _runtime_overhead(world: int, opts: dict) -> float:
     """The runtime's own processor seconds per action on these ranks, from a pipeline of tiny
     stages (a 4x4 Linear each) run like the real one (1F1B, the same micro-batches): all ranks'
     process CPU time (executor, transport threads) per step over all their actions. The
@@ -235,8 +235,8 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
     timeout = opts["timeout"]
     profile = Profile.from_json(opts["profile"])
     size = max(layer.activation_bytes for layer in profile.layers[:-1])
-    bandwidth = _probe_copy_rate(rank, world, size, timeout)
-    overhead = _runtime_overhead(rank, world, opts)
+    bandwidth = _probe_copy_rate(rank, world, size)
+    overhead = _runtime_overhead(world, opts)
     planned = make_plan(
         profile,
         stages=world,

@@ -120,7 +120,7 @@ def predict(
         build(schedule, len(forward), microbatches),
         forward=forward,
         backward=backward,
-        transfer=[0.0] * len(message) if shared else message,
+        transfer=0.0 if shared else message,
         copy=message if shared else 0.0,
         optimizer_step=optimizer_step,
         overhead=host.overhead,
