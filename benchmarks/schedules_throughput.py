@@ -2,7 +2,9 @@
 against torch.distributed.pipelining's interleaved schedules, on 2 and 4 CPU ranks.
 
 Model: 16 blocks of Linear(512, 512) + ReLU (32 layers), batch 128 in 8 micro-batches, MSE loss,
-SGD, checkpoint="never", one torch thread per rank, ranks joined by gloo (started here).
+SGD, checkpoint="never", one torch thread per rank, each rank pinned to its share of the
+cores before gloo starts (pipetrain.distributed.pin_to_cores, as init_distributed(pin_cores=True)
+does; --no-pin leaves placement to the OS), ranks joined by gloo (started here).
 
   pipetrain-1f1b           p stages of 32/p layers
   pipetrain-interleaved    2p stages of 16/p layers, stage c*p+r on rank r
@@ -17,10 +19,11 @@ steps. From the traces of the timed steps: "measured bubble" is 1 - compute / (r
 the step running from its first action's start to its last action's end on any rank, compute
 being F+B+W; "simulated" is the same step's simulated twin (pipetrain.trace.simulated_twin:
 the schedule simulated with the step's measured per-stage F, B, W and optimizer-step times, each
-rank's measured runtime overhead per action and the link latency measured at start-up); both
-averaged over the timed steps. With 4 ranks on a 2-core machine the ranks share cores
-(oversubscribed): the twin then runs them on the cores they shared (processor sharing, with
-the measured times converted to full speed; pipetrain.trace.shared_cores and full_speed).
+rank's measured runtime overhead per action and the step's message latency,
+pipetrain.trace.message_latency); both averaged over the timed steps. With 4 ranks on a 2-core
+machine the ranks share cores (oversubscribed): the twin then runs them on the cores they
+shared (processor sharing, with the measured times converted to full speed;
+pipetrain.trace.shared_cores and full_speed).
 Compute times inflate and bubbles mix with waiting for a core, so compare variants within one
 rank count, not across.
 
@@ -136,7 +139,8 @@ class _Torch:
 
 
 def _rank(
-    rank: int, ranks: int, port: int, rounds: int, steps: int, peers: bool, out: dict
+    rank: int, ranks: int, port: int, rounds: int, steps: int, peers: bool, pin: bool,
+    out: dict,
 ) -> None:
     import time
 
@@ -145,6 +149,10 @@ def _rank(
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if pin:
+        from pipetrain.distributed import pin_to_cores
+
+        pin_to_cores(rank, ranks)
     dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=timedelta(seconds=300))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
@@ -187,15 +195,15 @@ def _rank(
     dist.destroy_process_group()
 
 
-def _worker(rank, port, ranks, rounds, steps, peers, results):
+def _worker(rank, port, ranks, rounds, steps, peers, pin, results):
     out: dict = {}
-    _rank(rank, ranks, port, rounds, steps, peers, out)
+    _rank(rank, ranks, port, rounds, steps, peers, pin, out)
     if rank == 0:
         results.put(out)
 
 
-def run(ranks: int, rounds: int, steps: int, peers: bool = True) -> dict:
-    return spawn_ranks(_worker, ranks, ranks, rounds, steps, peers)
+def run(ranks: int, rounds: int, steps: int, peers: bool = True, pin: bool = True) -> dict:
+    return spawn_ranks(_worker, ranks, ranks, rounds, steps, peers, pin)
 
 
 def main() -> None:
@@ -205,11 +213,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip torch.distributed.pipelining's schedules")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave the ranks unpinned (the OS places them and gloo's threads)")
     args = parser.parse_args()
     print(f"model {BLOCKS} x (Linear({WIDTH})+ReLU), batch {BATCH}, {CHUNKS} micro-batches, "
-          f"{os.cpu_count()} cores; median of {args.rounds * args.steps} steps per variant")
+          f"{os.cpu_count()} cores, ranks {'un' if args.no_pin else ''}pinned; median of "
+          f"{args.rounds * args.steps} steps per variant")
     for ranks in [int(r) for r in args.ranks.split(",")]:
-        rows = run(ranks, args.rounds, args.steps, not args.no_peers)
+        rows = run(ranks, args.rounds, args.steps, not args.no_peers, not args.no_pin)
         base = rows["1f1b"]["median"]
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))

@@ -10,12 +10,15 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tuple[int, int]:
+def init_distributed(
+    backend: str | None = None, timeout: float = 600.0, pin_cores: bool = False
+) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; return (rank, world).
 
     NCCL when this node has a GPU for each of its processes, else gloo on the CPU (with a
     warning when there are GPUs, but too few). On GPUs each process takes ``cuda:LOCAL_RANK``.
-    Calling it again is harmless.
+    ``pin_cores`` first pins the process to its share of the node's processors
+    (:func:`pin_to_cores`). Calling it again is harmless.
     """
     if not dist.is_initialized():
         needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -26,6 +29,9 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tupl
                 "launch with `torchrun --nproc_per_node=STAGES script.py`, or run all stages in "
                 "this process with Pipeline(..., devices=[...])"
             )
+        if pin_cores:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            pin_to_cores(local, int(os.environ.get("LOCAL_WORLD_SIZE", str(local + 1))))
         if backend is None:
             backend = _default_backend()
         if backend == "nccl":
@@ -36,6 +42,28 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> tupl
             timeout=timedelta(seconds=timeout),
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def pin_to_cores(local_rank: int, local_world: int) -> list[int]:
+    """Pin the calling process to its share of the processors it may use: local rank ``r`` of
+    ``local_world`` gets the r-th of that many equal, contiguous slices (the r-th processor,
+    round robin, when there are more ranks than processors). Returns the processors.
+
+    Call it before the process group starts, so the backend's threads (gloo's I/O loop) are
+    pinned too: they then take their rank's own processor when a message arrives, instead of
+    preempting a neighbour's compute and stalling it for a scheduler time slice. The rank's
+    other threads (torch's intra-op pool) should be at most the slice's size."""
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} is not in 0..{local_world - 1}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("pinning to cores needs os.sched_setaffinity (Linux); leave it off")
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // local_world
+    mine = cpus[local_rank * share : (local_rank + 1) * share] if share else [
+        cpus[local_rank % len(cpus)]
+    ]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def _default_backend() -> str:

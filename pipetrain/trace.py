@@ -26,7 +26,6 @@ from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simu
 from schedules.action import COMPUTE, RECVS, SENDS
 
 FORMAT = "pipetrain-trace"
-WAITED = 5e-5  # seconds: a receive this long waited for its message (a ready one takes µs)
 
 
 @dataclass
@@ -43,6 +42,7 @@ class Recorder:
     steps: list[list[Span]] = field(default_factory=list)
     host: str = field(default_factory=socket.gethostname)
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))  # it may use
+    cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
     threads: int = field(default_factory=torch.get_num_threads)  # torch's, per operation
 
     def begin_step(self) -> None:
@@ -64,6 +64,7 @@ class Recorder:
             "link_latency": self.link_latency,
             "host": self.host,
             "cores": self.cores,
+            "cpus": list(self.cpus),
             "threads": self.threads,
             "schedule": self.schedule.name,
             "stages": self.schedule.stages,
@@ -91,6 +92,7 @@ class RankTrace:
     host: str = ""
     cores: int = 0  # 0: not recorded
     threads: int = 1
+    cpus: tuple[int, ...] = ()  # the processors it might use; (): not recorded
 
 
 def load(path: str | Path) -> RankTrace:
@@ -112,6 +114,7 @@ def load(path: str | Path) -> RankTrace:
     return RankTrace(
         data["rank"], lane, schedule, steps, data.get("link_latency", 0.0),
         data.get("host", ""), data.get("cores", 0), data.get("threads", 1),
+        tuple(data.get("cpus", ())),
     )
 
 
@@ -177,11 +180,18 @@ def measure_clock_offset(
 def shared_cores(traces: Sequence[RankTrace]) -> int | None:
     """How many ranks' worth of processors the traced ranks shared (the ``cores`` of
     ``schedules.simulate``), when they ran on one host with more ranks than that; None when
-    each had its own (or they ran on several hosts, or the traces predate the record)."""
+    each had its own (or they ran on several hosts, or the traces predate the record). Ranks
+    pinned to processors (pipetrain.distributed.pin_to_cores) share the processors they were
+    pinned to between them."""
     hosts = {t.host for t in traces}
     if len(hosts) != 1 or any(t.cores < 1 for t in traces):
         return None
-    cores = max(1, min(t.cores // max(t.threads, 1) for t in traces))
+    threads = max(max(t.threads, 1) for t in traces)
+    if all(t.cpus for t in traces):
+        cores = len(set().union(*(t.cpus for t in traces))) // threads
+    else:
+        cores = min(t.cores // max(t.threads, 1) for t in traces)
+    cores = max(1, cores)
     return cores if cores < len(traces) else None
 
 
@@ -255,18 +265,18 @@ def runtime_overhead(spans: Sequence[Span], work: Work | None = None) -> float:
 def message_latency(spans: Sequence[Span]) -> float | None:
     """Median time from a message's departure (the end of the compute that produced it) to its
     arrival, over the receives in ``spans`` (all ranks' spans of a step, on one clock) that
-    waited for their message, whose end is its arrival; None if none waited. Under load this
-    is the latency that counts: it holds the peers' waits for a core, which an idle start-up
-    measurement does not."""
+    began before their message left, so that their end is its arrival; None if none did. A
+    receive that began later found its message (or part of it) already there, and its span
+    says nothing about the flight. Under load this is the latency that counts: it holds the
+    peers' waits for a core, which an idle start-up measurement does not."""
     produced = {s.action: s.end for s in spans if s.action.kind in COMPUTE}
     seen = []
     for s in spans:
         a = s.action
-        if a.kind in RECVS and s.duration > WAITED:
+        if a.kind in RECVS and a.peer is not None:
             source = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
-            departure = produced.get(Action(source, a.peer if a.peer is not None else -1,
-                                            a.microbatch))
-            if departure is not None:
+            departure = produced.get(Action(source, a.peer, a.microbatch))
+            if departure is not None and s.start < departure:
                 seen.append(s.end - departure)
     return statistics.median(seen) if seen else None
 

@@ -13,6 +13,7 @@ from pipetrain.trace import (
     RankTrace,
     full_speed,
     load_folder,
+    message_latency,
     report,
     runtime_overhead,
     shared_cores,
@@ -73,6 +74,24 @@ def test_runtime_overhead_is_the_unaccounted_time_per_action():
     assert runtime_overhead([]) == 0.0
 
 
+def test_message_latency_counts_only_receives_that_began_before_the_message_left():
+    def recv(kind, stage, mb, start, end):
+        return Span(_a(kind, stage, mb), start, end)
+
+    spans = [
+        Span(_a(Kind.FORWARD, 0, 0), 0.0, 1.0),
+        recv(Kind.RECV_ACT, 1, 0, 0.5, 1.25),  # waited from before departure: 0.25 s flight
+        Span(_a(Kind.FORWARD, 0, 1), 1.0, 2.0),
+        recv(Kind.RECV_ACT, 1, 1, 4.0, 4.5),  # began after departure: the message was there
+        Span(_a(Kind.BACKWARD, 1, 0), 2.0, 3.0),
+        recv(Kind.RECV_GRAD, 0, 0, 2.5, 3.75),  # waited: 0.75 s flight
+        Span(_a(Kind.BACKWARD, 1, 1), 3.0, 4.0),
+        recv(Kind.RECV_GRAD, 0, 1, 3.5, 4.5),  # waited: 0.5 s flight
+    ]
+    assert message_latency(spans) == pytest.approx(0.5)  # median of 0.25, 0.75, 0.5
+    assert message_latency(spans[2:4]) is None
+
+
 def test_full_speed_work_of_ranks_sharing_one_core():
     # rank 0 runs 0-4 s but waits in a receive from 1 to 3; rank 1 runs 0-2 s. One core:
     # 0-1 two run (half speed), 1-2 rank 1 alone, 2-3 nobody (a rank would run at full
@@ -94,14 +113,17 @@ def test_full_speed_work_of_ranks_sharing_one_core():
 
 
 def test_shared_cores_only_for_ranks_on_one_host_beyond_its_cores():
-    def trace(rank, host, cores, threads=1):
-        return RankTrace(rank, rank, build("1f1b", 4, 4), [], 0.0, host, cores, threads)
+    def trace(rank, host, cores, threads=1, cpus=()):
+        return RankTrace(rank, rank, build("1f1b", 4, 4), [], 0.0, host, cores, threads, cpus)
 
     assert shared_cores([trace(r, "a", 2) for r in range(4)]) == 2
     assert shared_cores([trace(r, "a", 8, threads=4) for r in range(4)]) == 2
     assert shared_cores([trace(r, "a", 4) for r in range(4)]) is None  # a core each
     assert shared_cores([trace(r, "ab"[r % 2], 2) for r in range(4)]) is None  # two hosts
     assert shared_cores([trace(r, "a", 0) for r in range(4)]) is None  # not recorded
+    # pinned: four ranks, one processor each of two (round robin), or one each of four
+    assert shared_cores([trace(r, "a", 1, cpus=(r % 2,)) for r in range(4)]) == 2
+    assert shared_cores([trace(r, "a", 1, cpus=(r,)) for r in range(4)]) is None
 
 
 @pytest.mark.parametrize("world", [2, 4])
