@@ -217,6 +217,20 @@ class Stage:
             )
         return loss
 
+    def _output_grads(
+        self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor], microbatch: int
+    ) -> Sequence[torch.Tensor]:
+        """The gradients to start the backward of ``outputs`` from: ones for the last stage's
+        loss, else the received ones, one per output that needs a gradient."""
+        if self.is_last:
+            return [torch.ones_like(outputs[0])] if outputs else []
+        if len(grads) != len(outputs):
+            raise StageError(
+                f"stage {self.index}: received {len(grads)} gradients for micro-batch "
+                f"{microbatch} but {len(outputs)} outputs need one"
+            )
+        return grads
+
     def backward(self, microbatch: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Backpropagate micro-batch ``microbatch`` from its output gradients; return the
         gradients of the inputs that the previous stage asked for. Under ``split_backward``
@@ -225,13 +239,7 @@ class Stage:
         if self.versions is not None:
             return self._versioned_backward(microbatch, stashed, grads)
         outputs = [t for t in stashed.outputs if t.requires_grad]
-        if self.is_last:
-            grads = [torch.ones_like(outputs[0])] if outputs else []
-        elif len(grads) != len(outputs):
-            raise StageError(
-                f"stage {self.index}: received {len(grads)} gradients for micro-batch "
-                f"{microbatch} but {len(outputs)} outputs need one"
-            )
+        grads = self._output_grads(outputs, grads, microbatch)
         wanted = [x for x in stashed.inputs if x.requires_grad]
         try:
             if not self.split_backward:
@@ -271,13 +279,7 @@ class Stage:
                     out = self._run_and_score(value, target)
                 outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
             outputs = [t for t in outputs_all if t.requires_grad]
-            if self.is_last:
-                grads = [torch.ones_like(outputs[0])] if outputs else []
-            elif len(grads) != len(outputs):
-                raise StageError(
-                    f"stage {self.index}: received {len(grads)} gradients for micro-batch "
-                    f"{microbatch} but {len(outputs)} outputs need one"
-                )
+            grads = self._output_grads(outputs, grads, microbatch)
             # backward() accumulates into .grad in place: into the live parameters' when the
             # forward read them; else into the copies', which share the live .grad tensors
             # (allocated by the first backward after an update, then moved over below)
