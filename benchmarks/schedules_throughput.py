@@ -20,10 +20,11 @@ the step running from its first action's start to its last action's end on any r
 being F+B+W; "simulated" is the same step's simulated twin (pipetrain.trace.simulated_twin:
 the schedule simulated with the step's measured per-stage F, B, W and optimizer-step times, each
 rank's measured runtime overhead per action and the step's message latency,
-pipetrain.trace.message_latency); both averaged over the timed steps. With 4 ranks on a 2-core
-machine the ranks share cores (oversubscribed): the twin then runs them on the cores they
-shared (processor sharing, with the measured times converted to full speed;
-pipetrain.trace.shared_cores and full_speed).
+pipetrain.trace.message_latency) and each rank's entry into the step (ranks leave the barrier
+before it a few milliseconds apart); both averaged over the timed steps. With 4 ranks on a
+2-core machine the ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share
+one core, 1 and 3 the other): the twin then runs each pair on its core (processor sharing,
+with the measured times converted to full speed; pipetrain.trace.shared_cores and full_speed).
 Compute times inflate and bubbles mix with waiting for a core, so compare variants within one
 rank count, not across.
 

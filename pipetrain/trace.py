@@ -14,7 +14,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
 from schedules.action import COMPUTE, RECVS, SENDS
+from schedules.simulate import Cores
 
 FORMAT = "pipetrain-trace"
 
@@ -177,35 +178,59 @@ def measure_clock_offset(
     return (best[1], best[0] / 2) if me != ranks[0] else (0.0, 0.0)
 
 
-def shared_cores(traces: Sequence[RankTrace]) -> int | None:
-    """How many ranks' worth of processors the traced ranks shared (the ``cores`` of
-    ``schedules.simulate``), when they ran on one host with more ranks than that; None when
-    each had its own (or they ran on several hosts, or the traces predate the record). Ranks
-    pinned to processors (pipetrain.distributed.pin_to_cores) share the processors they were
-    pinned to between them."""
+def shared_cores(traces: Sequence[RankTrace]) -> dict[tuple[int, ...], int] | None:
+    """Which ranks shared processors, as ``schedules.simulate`` takes ``cores``: each group of
+    ranks (pipeline positions) that shared too few processors, with how many ranks' worth they
+    had (processors // torch threads). Unpinned ranks on one host share all its processors;
+    ranks pinned to processors (pipetrain.distributed.pin_to_cores) share those they were
+    pinned to with the ranks pinned to the same ones. None when no group ran short (each had
+    its own, or they ran on several hosts, or the traces predate the record)."""
     hosts = {t.host for t in traces}
     if len(hosts) != 1 or any(t.cores < 1 for t in traces):
         return None
-    threads = max(max(t.threads, 1) for t in traces)
+    groups: list[tuple[set[int], list[RankTrace]]] = []
     if all(t.cpus for t in traces):
-        cores = len(set().union(*(t.cpus for t in traces))) // threads
+        for t in traces:  # ranks whose processors overlap form one group
+            cpus, members = set(t.cpus), [t]
+            for other in [g for g in groups if g[0] & cpus]:
+                groups.remove(other)
+                cpus, members = cpus | other[0], other[1] + members
+            groups.append((cpus, members))
     else:
-        cores = min(t.cores // max(t.threads, 1) for t in traces)
-    cores = max(1, cores)
-    return cores if cores < len(traces) else None
+        groups.append((set(range(min(t.cores for t in traces))), list(traces)))
+    shared = {}
+    for cpus, members in groups:
+        cores = max(1, len(cpus) // max(max(t.threads, 1) for t in members))
+        if cores < len(members):
+            shared[tuple(sorted(t.stage for t in members))] = cores
+    return shared or None
 
 
 Work = Callable[[float, float], float]  # (start, end) -> full-speed seconds done in between
 
 
-def full_speed(spans: Sequence[Span], cores: int | None) -> Work:
-    """Full-speed seconds a rank does between two instants of ``spans``' step when the ranks
-    share ``cores`` (processor sharing, as ``schedules.simulate`` models it): the integral of
-    min(1, cores / k(t)), k(t) the ranks running at t. A rank runs from its first span's start
-    to its last one's end except while it waits in a receive. ``cores=None``: the elapsed
-    time."""
-    if cores is None:
-        return lambda start, end: end - start
+def _elapsed(start: float, end: float) -> float:
+    return end - start
+
+
+def full_speed(spans: Sequence[Span], cores: Cores) -> dict[int, Work]:
+    """Each rank's (lane's) full-speed seconds between two instants of ``spans``' step when
+    ranks shared processors as ``cores`` says (processor sharing, as ``schedules.simulate``
+    models it): the integral of min(1, n / k(t)), n the processors of the rank's group and k(t)
+    its ranks running at t. A rank runs from its first span's start to its last one's end
+    except while it waits in a receive. A rank that shared nothing: the elapsed time."""
+    lanes = sorted({s.lane for s in spans})
+    if isinstance(cores, int):
+        cores = {tuple(lanes): cores}
+    work: dict[int, Work] = {lane: _elapsed for lane in lanes}
+    for group, count in (cores or {}).items():
+        integral = _shared_work([s for s in spans if s.lane in group], count)
+        work.update({lane: integral for lane in group})
+    return work
+
+
+def _shared_work(spans: Sequence[Span], cores: int) -> Work:
+    """The full-speed seconds of one rank of a group that shares ``cores`` processors."""
     change: dict[float, int] = {}
     for lane in {s.lane for s in spans}:
         mine = [s for s in spans if s.lane == lane]
@@ -230,17 +255,16 @@ def full_speed(spans: Sequence[Span], cores: int | None) -> Work:
 
 
 def measured_costs(
-    spans: Sequence[Span], stages: int, work: Work | None = None
+    spans: Sequence[Span], stages: int, work: Mapping[int, Work] | None = None
 ) -> dict[Kind, list[float]]:
     """Each stage's mean forward, backward, weight and optimizer-step time in ``spans``
-    (in full-speed seconds by ``work``, when given; see :func:`full_speed`)."""
-    took = work or (lambda start, end: end - start)
+    (in full-speed seconds by each rank's ``work``, when given; see :func:`full_speed`)."""
     costs = {}
     for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
         mean = [0.0] * stages
         for s in range(stages):
             times = [
-                took(x.start, x.end) for x in spans
+                (work[x.lane] if work else _elapsed)(x.start, x.end) for x in spans
                 if x.action.kind is kind and x.action.stage == s
             ]
             mean[s] = sum(times) / len(times) if times else 0.0
@@ -256,7 +280,7 @@ def runtime_overhead(spans: Sequence[Span], work: Work | None = None) -> float:
     seconds by ``work``, when given."""
     if not spans:
         return 0.0
-    took = work or (lambda start, end: end - start)
+    took = work or _elapsed
     length = took(min(s.start for s in spans), max(s.end for s in spans))
     accounted = sum(took(s.start, s.end) for s in spans if s.action.kind not in SENDS)
     return max(length - accounted, 0.0) / len(spans)
@@ -286,18 +310,21 @@ def step_overheads(traces: Sequence[RankTrace], step: int = -1) -> list[float]:
     full-speed seconds when the ranks shared too few cores: what ``pipetrain plan
     --overhead-ms`` takes."""
     work = full_speed(step_spans(traces, step), shared_cores(traces))
-    return [runtime_overhead(t.steps[step], work) for t in traces]
+    return [runtime_overhead(t.steps[step], work[t.stage]) for t in traces]
 
 
 def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     """The schedule simulated with what was measured in step ``step``: each stage's mean
     forward, backward, weight and optimizer-step times, each rank's runtime overhead per
-    action, and the step's message latency (:func:`message_latency`; the start-up measurement
-    when no receive waited). When the ranks shared too few cores (:func:`shared_cores`), the
-    costs are converted to full speed (:func:`full_speed`) and simulated on that many cores.
-    What differs from the measured step is what the simulator's model of waiting gets wrong."""
+    action, the step's message latency (:func:`message_latency`; the start-up measurement
+    when no receive waited) and when each rank entered the step (after a barrier or its previous
+    step, ranks enter a few milliseconds apart). When ranks shared too few cores
+    (:func:`shared_cores`), the costs are converted to full speed (:func:`full_speed`) and
+    simulated on the cores each group shared. What differs from the measured step is what the
+    simulator's model of waiting gets wrong."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
+    origin = min(s.start for s in spans)
     cores = shared_cores(traces)
     work = full_speed(spans, cores)
     cost = measured_costs(spans, schedule.stages, work)
@@ -308,7 +335,7 @@ def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
             transfer=max(t.link_latency for t in traces) if latency is None else latency,
             optimizer_step=cost[Kind.STEP], weight=cost[Kind.WEIGHT], overhead=overhead,
-            cores=cores,
+            cores=cores, start=[min(s.start for s in t.steps[step]) - origin for t in traces],
         ).timeline
     )
 

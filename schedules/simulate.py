@@ -8,9 +8,11 @@ next action; zero by default), which is neither compute nor waiting. A hand-off 
 stages on the same rank is no message and costs nothing: the list order already puts the
 producer first. Ranks may share processors (``cores``): while more ranks run than there are
 cores, each runs proportionally slower (processor sharing), as stage processes do on a CPU with
-fewer cores than ranks. A message may also cost processor time (``copy``): on one host a message
-is a memory copy out of the sender and one into the receiver, done by their transport threads
-alongside compute, so on shared cores the copies slow compute down and compute slows them.
+fewer cores than ranks; ranks pinned to separate processors share only within their group. A
+message may also cost processor time (``copy``): on one host a message is a memory copy out of
+the sender and one into the receiver, done by their transport threads alongside compute, so on
+shared cores the copies slow compute down and compute slows them. Ranks may enter the step at
+different times (``start``), as they leave a barrier or their previous step one by one.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -26,14 +28,19 @@ import heapq
 import itertools
 import math
 import numbers
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from schedules.action import Action, Kind, Schedule
 from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
+
+Cores = int | Mapping[tuple[int, ...], int] | None
+"""Who shares processors: None, each rank has its own; n, all ranks share n; a mapping, each
+group of ranks (a tuple of ranks) shares that many processors and ranks in no group have
+their own (ranks pinned to processors, pipetrain.distributed.pin_to_cores)."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +120,9 @@ def simulate(
     *,
     weight: float | Sequence[float] | None = None,
     overhead: float | Sequence[float] = 0.0,
-    cores: int | None = None,
+    cores: Cores = None,
     copy: float | Sequence[float] = 0.0,
+    start: float | Sequence[float] = 0.0,
     calls: int = 1,
     flush: bool = True,
 ) -> Simulation:
@@ -132,12 +140,17 @@ def simulate(
     ``cores``: the ranks share that many processors (None: each rank has its own). While k
     ranks run (compute, step or overhead; a rank waiting for a message needs no processor),
     each runs at min(1, cores / k) of full speed: processor sharing, as when more stage
-    processes than cores share a CPU. The costs are then full-speed times.
+    processes than cores share a CPU. The costs are then full-speed times. A mapping
+    ``{(0, 2): 1, (1, 3): 1}`` shares per group instead: ranks 0 and 2 share one processor,
+    ranks 1 and 3 another (four ranks pinned round robin to two cores).
 
     ``copy``: per boundary (or one scalar), the processor time each end of a message spends
     copying it, sender and receiver at once (a transfer over loopback TCP). The message leaves
     when both copies are done, then takes ``transfer`` more. Without ``cores`` this only delays
-    it; with ``cores`` the two copies are running work like compute and share the processors.
+    it; with ``cores`` the two copies are running work like compute and share the processors
+    (the sender's copy those of the sender, the receiver's copy those of the receiver).
+
+    ``start``: when each rank enters the step (a scalar for every rank; all at 0 by default).
 
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
@@ -146,43 +159,116 @@ def simulate(
     validate(schedule)
     if schedule.asynchronous:
         schedule = unroll(schedule, calls, flush)
-    if cores is not None and cores < 1:
-        raise ValueError(f"cores must be at least 1, got {cores}")
     return _Run(schedule, forward, backward, weight, optimizer_step, transfer, overhead,
-                cores, copy).result()
+                cores, copy, start).result()
+
+
+@dataclass
+class _Pool:
+    """Processors that some threads share: while k of them run, each runs at
+    min(1, capacity / k) of full speed. Work is counted in full-speed seconds on a virtual clock
+    that runs at that speed, so every running piece advances alike and they end in the order of
+    their virtual end times. An unlimited pool (math.inf) always runs at full speed; its virtual
+    clock is the clock, to the last bit."""
+
+    capacity: float
+    threads: int = 0
+    virtual: float = 0.0
+    running: list[tuple[float, int, int | tuple[Action, int]]] = field(default_factory=list)
+
+    @property
+    def unlimited(self) -> bool:
+        return self.capacity == math.inf
+
+    def speed(self) -> float:
+        return min(1.0, self.capacity / max(self.threads, 1))
+
+    def start(self, work: float, order: int, key: int | tuple[Action, int]) -> None:
+        self.threads += 1
+        heapq.heappush(self.running, (self.virtual + work, order, key))
+
+    def next_end(self, now: float) -> float:
+        """When its first running piece ends at the current speed (inf: none runs)."""
+        if not self.running:
+            return math.inf
+        if self.unlimited:
+            return self.running[0][0]
+        return now + (self.running[0][0] - self.virtual) / self.speed()
+
+    def advance(self, now: float, to: float) -> list[tuple[int, int | tuple[Action, int]]]:
+        """Run from ``now`` to ``to``; return the pieces that ended, as (order, key)."""
+        if self.unlimited:
+            self.virtual = to
+        elif self.running and self.next_end(now) <= to:
+            self.virtual = self.running[0][0]
+        else:
+            self.virtual += (to - now) * self.speed()
+        ended = []
+        while self.running and self.running[0][0] <= self.virtual:
+            _, order, key = heapq.heappop(self.running)
+            self.threads -= 1
+            ended.append((order, key))
+        return ended
+
+
+def _pools(cores: Cores, ranks: int) -> list[_Pool]:
+    """Each rank's pool: ranks sharing processors share the object, and ranks with their own
+    processors share one unlimited pool (full speed whatever runs)."""
+    own = _Pool(math.inf)
+    if cores is None:
+        return [own] * ranks
+    if isinstance(cores, numbers.Integral):
+        if cores < 1:
+            raise ValueError(f"cores must be at least 1, got {cores}")
+        return [_Pool(float(cores))] * ranks
+    pools: list[_Pool | None] = [None] * ranks
+    for group, count in cast(Mapping[tuple[int, ...], int], cores).items():
+        if count < 1:
+            raise ValueError(f"cores must be at least 1, got {count} for ranks {group}")
+        pool = _Pool(float(count))
+        for r in group:
+            if not 0 <= r < ranks or pools[r] is not None:
+                raise ValueError(
+                    f"cores: rank {r} of group {group} is not one of ranks 0..{ranks - 1} or is "
+                    "in two groups; give each rank at most one group"
+                )
+            pools[r] = pool
+    return [pool or own for pool in pools]
 
 
 class _Run:
     """The event-driven simulation behind ``simulate``. A rank is free (taking its next
-    action), waiting for a message, or running a piece of work: a compute or step action, or
-    its overhead after an action. A message being copied is a piece of work too, run by two
-    threads (its sender's and its receiver's copy). Work is counted in full-speed seconds on a
-    virtual clock that runs at the shared speed (min(1, cores / running threads)), so every
-    running piece advances alike and they end in the order of their virtual end times."""
+    action), waiting for a message or its start, or running a piece of work in its pool of
+    processors (:class:`_Pool`): a compute or step action, or its overhead after an action. A
+    message being copied is two pieces of work, its sender's copy and its receiver's, each in
+    its own rank's pool; it leaves when both are done."""
 
     def __init__(  # type: ignore[no-untyped-def]
         self, schedule: Schedule, forward, backward, weight, optimizer_step, transfer,
-        overhead, cores: int | None, copy,
+        overhead, cores: Cores, copy, start,
     ):
-        self.schedule, self.cores = schedule, cores
+        self.schedule = schedule
         self.cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
         ranks = schedule.ranks
         self.link = _per_stage(transfer, max(schedule.stages - 1, 0), "transfer")
         copies = _per_stage(copy, max(schedule.stages - 1, 0), "copy")
         self.extra = _per_stage(overhead, ranks, "overhead")
+        self.start = _per_stage(start, ranks, "start")
+        if min(self.start, default=0.0) < 0:
+            raise ValueError(f"start times must be at least 0, got {self.start}")
+        self.pool = _pools(cores, ranks)
+        self.pools = list({id(pool): pool for pool in self.pool}.values())
         self.memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
-        self.now = self.virtual = 0.0
+        self.now = 0.0
         self.cursor = [0] * ranks
-        self.free_since = [0.0] * ranks  # when the rank last became free (a wait starts there)
+        self.free_since = list(self.start)  # when the rank last became free (a wait starts there)
         self.in_overhead = [False] * ranks  # the running piece is the overhead of the action
         self.started = [0.0] * ranks
-        # heap: (virtual end, tie-break: ranks first, rank or the receive of a message copied)
-        self.running: list[tuple[float, int, int | Action]] = []
-        self.threads = 0  # running: one per rank, two per message
-        self.hops: dict[Action, float] = {}  # message being copied -> its transfer after
-        self.copy_order = itertools.count(schedule.ranks)  # ties: ranks, then copies in order
+        self.order = itertools.count(ranks)  # ties: ranks first, then copies in order
+        self.copying: dict[Action, list[float]] = {}  # receive -> [copies left, transfer after]
         self.waiting: dict[Action, int] = {}  # receive -> the rank blocked on it
-        self.arrivals: list[tuple[float, int, Action]] = []  # heap: (time, tie-break, receive)
+        # heap: (time, tie-break, a receive whose message lands or a rank that enters the step)
+        self.arrivals: list[tuple[float, int, Action | int]] = []
         self.arrival: dict[Action, float] = {}
         # compute -> its messages: (receive, transfer, copy)
         self.sends: dict[Action, list[tuple[Action, float, float]]] = {}
@@ -200,11 +286,16 @@ class _Run:
         self.spans: list[Span] = []
 
     def result(self) -> Simulation:
-        ready = list(range(self.schedule.ranks))
+        ready = []
+        for r, at in enumerate(self.start):
+            if at > 0:
+                heapq.heappush(self.arrivals, (at, -1 - r, r))
+            else:
+                ready.append(r)
         while True:
             for r in ready:
                 self._advance(r)
-            if not self.running and not self.arrivals:
+            if not self._running() and not self.arrivals:
                 break
             ready = self._next_event()
         if any(c < len(self.schedule.actions[r]) for r, c in enumerate(self.cursor)):
@@ -216,6 +307,9 @@ class _Run:
             peak_full=tuple(self.peak_full),
         )
 
+    def _running(self) -> bool:
+        return any(pool.running for pool in self.pools)
+
     def _span(self, action: Action, start: float, r: int) -> None:
         self.spans.append(
             Span(action, start, self.now, None if self.schedule.one_stage_per_rank else r)
@@ -226,12 +320,8 @@ class _Run:
         if work <= 0:
             return False
         self.in_overhead[r], self.started[r] = overhead, self.now
-        self._start(work, r, r, threads=1)
+        self.pool[r].start(work, r, r)
         return True
-
-    def _start(self, work: float, order: int, key: int | Action, threads: int) -> None:
-        self.threads += threads
-        heapq.heappush(self.running, (self.virtual + work, order, key))
 
     def _post(self, receive: Action, hop: float) -> None:
         """The message for ``receive`` leaves now and lands ``hop`` later."""
@@ -265,13 +355,14 @@ class _Run:
         cost = self.cost[a.kind][a.stage]
         self._span(a, self.started[r] if cost > 0 else self.now, r)
         if a.kind is not Kind.STEP:  # at full speed it took its cost (to the last bit)
-            self.busy[r] += cost if self.cores is None else self.spans[-1].duration
+            self.busy[r] += cost if self.pool[r].unlimited else self.spans[-1].duration
         for receive, hop, copy in self.sends.get(a, ()):
-            if self.cores is None or copy <= 0:
-                self._post(receive, copy + hop)
-            else:
-                self.hops[receive] = hop
-                self._start(copy, next(self.copy_order), receive, threads=2)
+            if copy <= 0:
+                self._post(receive, hop)
+                continue
+            self.copying[receive] = [2, hop]
+            for side in (r, self.schedule.rank_of(receive.stage)):
+                self.pool[side].start(copy, next(self.order), (receive, side))
         d_held, d_full = self.memory.get(a.kind, (0, 0))
         self.held[r] += d_held
         self.full[r] += d_full
@@ -279,28 +370,24 @@ class _Run:
         self.peak_full[r] = max(self.peak_full[r], self.full[r])
 
     def _next_event(self) -> list[int]:
-        """Move the clocks to the next end of a piece of work or arrival of a message; return
-        the ranks that are free again."""
-        speed = 1.0 if self.cores is None else min(1.0, self.cores / max(self.threads, 1))
-        ends = math.inf
-        if self.running:  # without sharing the virtual clock is the clock, to the last bit
-            left = self.running[0][0] - self.virtual
-            ends = self.running[0][0] if self.cores is None else self.now + left / speed
+        """Move the clock to the next end of a piece of work, arrival of a message or entry of
+        a rank; return the ranks that are free again."""
+        ends = min((pool.next_end(self.now) for pool in self.pools), default=math.inf)
         lands = self.arrivals[0][0] if self.arrivals else math.inf
-        if ends <= lands:
-            self.virtual, self.now = self.running[0][0], ends
-        else:
-            shared = self.virtual + (lands - self.now) * speed
-            self.virtual = lands if self.cores is None else shared
-            self.now = lands
+        to = min(ends, lands)
+        ended = sorted(piece for pool in self.pools for piece in pool.advance(self.now, to))
+        self.now = to
         ready = []
-        while self.running and self.running[0][0] <= self.virtual:
-            _, _, key = heapq.heappop(self.running)
-            if isinstance(key, Action):  # both copies of a message are done
-                self.threads -= 2
-                self._post(key, self.hops.pop(key))
+        for _, key in ended:
+            if isinstance(key, tuple):  # one copy of a message is done
+                receive = key[0]
+                left = self.copying[receive]
+                left[0] -= 1
+                if left[0] == 0:
+                    del self.copying[receive]
+                    self._post(receive, left[1])
                 continue
-            r, self.threads = key, self.threads - 1
+            r = key
             a = self.schedule.actions[r][self.cursor[r]]
             if not self.in_overhead[r]:
                 self._done(r, a)
@@ -310,9 +397,11 @@ class _Run:
             self.free_since[r] = self.now
             ready.append(r)
         while self.arrivals and self.arrivals[0][0] <= self.now:
-            _, _, receive = heapq.heappop(self.arrivals)
-            if receive in self.waiting:
-                ready.append(self.waiting.pop(receive))
+            _, _, item = heapq.heappop(self.arrivals)
+            if isinstance(item, int):  # the rank enters the step
+                ready.append(item)
+            elif item in self.waiting:
+                ready.append(self.waiting.pop(item))
         return ready
 
 

@@ -17,8 +17,9 @@ from pipetrain.trace import (
     report,
     runtime_overhead,
     shared_cores,
+    simulated_twin,
 )
-from schedules import Action, Kind, Span, build
+from schedules import Action, Kind, Span, build, simulate
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -102,12 +103,15 @@ def test_full_speed_work_of_ranks_sharing_one_core():
         Span(_a(Kind.BACKWARD, 0, 0), 3.0, 4.0),
         Span(_a(Kind.FORWARD, 1, 0), 0.0, 2.0),
     ]
-    work = full_speed(spans, cores=1)
-    assert work(0.0, 1.0) == pytest.approx(0.5)
-    assert work(0.0, 2.0) == pytest.approx(1.5)
-    assert work(0.5, 3.5) == pytest.approx(0.25 + 1.0 + 1.0 + 0.5)
-    assert full_speed(spans, cores=2)(0.0, 4.0) == pytest.approx(4.0)  # never short of cores
-    assert full_speed(spans, None)(0.5, 3.5) == pytest.approx(3.0)
+    for cores in (1, {(0, 1): 1}):  # all ranks share, or the one group of both does
+        work = full_speed(spans, cores)[0]
+        assert work(0.0, 1.0) == pytest.approx(0.5)
+        assert work(0.0, 2.0) == pytest.approx(1.5)
+        assert work(0.5, 3.5) == pytest.approx(0.25 + 1.0 + 1.0 + 0.5)
+    assert full_speed(spans, cores=2)[0](0.0, 4.0) == pytest.approx(4.0)  # never short of cores
+    assert full_speed(spans, None)[1](0.5, 3.5) == pytest.approx(3.0)
+    # pinned apart (rank 1 in a group of its own, rank 0 in none): nobody shares
+    assert full_speed(spans, {(1,): 1})[0](0.0, 1.0) == pytest.approx(1.0)
     # the overhead of rank 0 (no gaps) stays 0; measured in full-speed seconds as well
     assert runtime_overhead(spans[:3], work) == pytest.approx(0.0)
 
@@ -116,14 +120,42 @@ def test_shared_cores_only_for_ranks_on_one_host_beyond_its_cores():
     def trace(rank, host, cores, threads=1, cpus=()):
         return RankTrace(rank, rank, build("1f1b", 4, 4), [], 0.0, host, cores, threads, cpus)
 
-    assert shared_cores([trace(r, "a", 2) for r in range(4)]) == 2
-    assert shared_cores([trace(r, "a", 8, threads=4) for r in range(4)]) == 2
+    everyone = (0, 1, 2, 3)
+    assert shared_cores([trace(r, "a", 2) for r in range(4)]) == {everyone: 2}
+    assert shared_cores([trace(r, "a", 8, threads=4) for r in range(4)]) == {everyone: 2}
     assert shared_cores([trace(r, "a", 4) for r in range(4)]) is None  # a core each
     assert shared_cores([trace(r, "ab"[r % 2], 2) for r in range(4)]) is None  # two hosts
     assert shared_cores([trace(r, "a", 0) for r in range(4)]) is None  # not recorded
     # pinned: four ranks, one processor each of two (round robin), or one each of four
-    assert shared_cores([trace(r, "a", 1, cpus=(r % 2,)) for r in range(4)]) == 2
+    assert shared_cores([trace(r, "a", 1, cpus=(r % 2,)) for r in range(4)]) == {
+        (0, 2): 1, (1, 3): 1,
+    }
     assert shared_cores([trace(r, "a", 1, cpus=(r,)) for r in range(4)]) is None
+    # overlapping sets join one group; a group with a processor per rank is left out
+    overlap = [(0, 1), (1, 2), (3,), (4,)]
+    assert shared_cores([trace(r, "a", 2, cpus=overlap[r]) for r in range(4)]) is None
+    assert shared_cores([trace(r, "a", 1, cpus=(0, 1) if r < 3 else (2,)) for r in range(4)]) == {
+        (0, 1, 2): 2,
+    }
+
+
+def test_the_twin_of_a_simulated_step_is_that_step():
+    # a step as the simulator runs it, written as rank traces, comes back from the twin: the
+    # costs converted from shared to full speed, the overhead (none), the latency, the cores
+    # each pinned group shared and the ranks' late entries all round-trip
+    schedule = build("1f1b", 4, 4)
+    step = simulate(
+        schedule, [1.0, 1.5, 0.5, 1.0], [2.0, 2.5, 1.5, 2.0], transfer=0.25,
+        cores={(0, 2): 1, (1, 3): 1}, start=[0.3, 0.0, 0.1, 0.2],
+    ).timeline
+    traces = [
+        RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
+        for r in range(4)
+    ]
+    twin = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
+    assert len(twin) == len(step)
+    for s in step:
+        assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
 
 
 @pytest.mark.parametrize("world", [2, 4])

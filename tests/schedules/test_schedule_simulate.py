@@ -398,6 +398,58 @@ def test_enough_cores_change_nothing_and_fewer_cost_time(seed):
 def test_cores_must_be_positive():
     with pytest.raises(ValueError, match="cores must be at least 1"):
         simulate(gpipe(2, 2), 1.0, 1.0, cores=0)
+    with pytest.raises(ValueError, match="cores must be at least 1"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores={(0, 1): 0})
+    with pytest.raises(ValueError, match="in two groups"):
+        simulate(gpipe(3, 2), 1.0, 1.0, cores={(0, 1): 1, (1, 2): 1})
+    with pytest.raises(ValueError, match="not one of ranks 0..1"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores={(0, 2): 1})
+
+
+def test_pinned_groups_share_only_within_themselves():
+    # GPipe, 4 stages, 2 micro-batches, f = b = 1: only neighbours ever run at once. Pinned
+    # round robin to two cores (ranks 0 and 2 on one, 1 and 3 on the other) no two of them
+    # share a core, and the step takes its unshared 10 s; pinned in blocks (0 and 1 together)
+    # neighbours share, and it takes longer.
+    schedule = gpipe(4, 2)
+    alone = simulate(schedule, 1.0, 1.0)
+    assert alone.step_time == pytest.approx(10.0)
+    apart = simulate(schedule, 1.0, 1.0, cores={(0, 2): 1, (1, 3): 1})
+    assert apart.finish == pytest.approx(alone.finish)
+    together = simulate(schedule, 1.0, 1.0, cores={(0, 1): 1, (2, 3): 1})
+    assert together.step_time > alone.step_time + 0.5
+    # F0.1 and F1.0 share rank 0 and 1's core from t = 1: each at half speed
+    assert {s.action: s.end for s in together.timeline}[Action(F, 1, 0)] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_of_all_or_of_one_are_the_plain_cases(seed):
+    rng = random.Random(8500 + seed)
+    p, m, schedule = random_case(rng, 2, 6)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    copy = rng.choice([0.0, 0.5])
+    n = rng.randint(1, p)
+    everyone = simulate(schedule, fwd, bwd, link, opt, copy=copy, cores={tuple(range(p)): n})
+    assert everyone.finish == pytest.approx(
+        simulate(schedule, fwd, bwd, link, opt, copy=copy, cores=n).finish
+    )
+    # a core of its own per rank is no sharing (without copies, which would share it)
+    each = simulate(schedule, fwd, bwd, link, opt, cores={(r,): 1 for r in range(p)})
+    assert each.finish == pytest.approx(simulate(schedule, fwd, bwd, link, opt).finish)
+
+
+def test_ranks_entering_late_by_hand():
+    # GPipe, 2 stages, 1 micro-batch, f = b = 1. Rank 1 entering at 5 s finds F0's output
+    # there: F1 5-6, B1 6-7, B0 7-8. Rank 0 entering at 2 s delays everything by 2 s.
+    late = simulate(gpipe(2, 1), 1.0, 1.0, start=[0.0, 5.0])
+    assert late.step_time == pytest.approx(8.0)
+    assert {s.action: s.start for s in late.timeline}[Action(F, 1, 0)] == pytest.approx(5.0)
+    assert simulate(gpipe(2, 1), 1.0, 1.0, start=[2.0, 0.0]).step_time == pytest.approx(6.0)
+    # a receive waits from the rank's entry, not from 0
+    waits = {s.action: s.start for s in simulate(gpipe(2, 1), 1.0, 1.0, start=[0, 0.5]).timeline}
+    assert waits[Action(Kind.RECV_ACT, 1, 0)] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="start times must be at least 0"):
+        simulate(gpipe(2, 1), 1.0, 1.0, start=[-1.0, 0.0])
 
 
 # -- messages that cost processor time (copies) --------------------------------------------------
