@@ -11,6 +11,13 @@ that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
 soon as their shapes are known. Every wait has a timeout and, on failure, names the peer, the
 micro-batch and this stage's position in its schedule.
+
+Shapes travel in a header before a boundary's first micro-batch of each call, since they may
+change between mini-batches. So that the first payload's receive need not wait for the header
+(gloo ships a send only once its receive is posted, and a send posted before that leaves when
+the sender's transport thread next gets a core: milliseconds, on the pipeline's critical path),
+the receiver posts it at once with the previous call's shapes. The sender knows those shapes
+too: when they changed, it first sends a stand-in of the old shapes to fill that receive.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pipetrain.meta import (
     TensorMeta,
     decode,
     describe,
+    empty_like_meta,
     encode,
     flatten,
     unflatten,
@@ -74,10 +82,11 @@ class Executor:
         carry: dict | None = None,
         losses_done: Callable[[], None] | None = None,
     ):
-        """``base`` and ``carry`` serve asynchronous schedules, whose micro-batches outlive a
-        call: the stages know micro-batch i of this list as ``base + i`` (a global number), and
-        ``carry`` (the same dict on every call of this rank) keeps the boundary shapes of the
-        micro-batches still in flight and the sends a peer receives only in its next call.
+        """``base`` serves asynchronous schedules, whose micro-batches outlive a call: the
+        stages know micro-batch i of this list as ``base + i`` (a global number). ``carry`` (the
+        same dict on every call of this rank) keeps what outlives a call: the shapes each
+        boundary had in the last call and, for asynchronous schedules, the boundary shapes of
+        the micro-batches still in flight and the sends a peer receives only in its next call.
         ``losses_done`` is called the moment the last stage's last forward of the list ends:
         every loss of the mini-batch is known then, before the backwards that follow."""
         self.stages = {stage.index: stage for stage in stages}
@@ -112,6 +121,7 @@ class Executor:
         self._out_meta: dict[int, BoundaryMeta] = {}  # per stage: what leaves for the next
         self._received: dict[Action, list[torch.Tensor]] = {}
         self._posted: dict[Action, Handle] = {}
+        self._guessed: dict[Action, Handle] = {}  # first payloads posted with last call's shapes
         self._sends: list[tuple[Action, Handle]] = []
         self._next_recv = 0
         self._outputs: list[object] = []
@@ -182,6 +192,9 @@ class Executor:
             header = metas is HEADER_META
             peer, number = self.schedule.rank_of(_peer(action)), self._tag(action, header)
             self._posted[action] = self.transport.recv(metas, peer, number)
+            last = self.carry.get(("shapes in", action.stage)) if header else None
+            if last is not None:
+                self._guessed[action] = self.transport.recv(last.tensors, peer, self._tag(action))
             self._next_recv += 1
 
     def _tag(self, action: Action, header: bool = False) -> int:
@@ -218,6 +231,13 @@ class Executor:
         tensors = self._wait(action, handle)
         if action.kind is Kind.RECV_ACT and action.microbatch == 0:
             meta = self._in_meta[action.stage] = decode(tensors[0])
+            last = self.carry.get(("shapes in", action.stage))
+            self.carry["shapes in", action.stage] = meta
+            guessed = self._guessed.pop(action, None)
+            if guessed is not None:
+                tensors = self._wait(action, guessed)  # the payload, or the stand-in
+                if meta == last:
+                    return tensors
             peer = self.schedule.rank_of(_peer(action))
             tensors = self._wait(action, self.transport.recv(meta.tensors, peer, self._tag(action)))
         return tensors
@@ -265,6 +285,10 @@ class Executor:
         if known is None:
             self._out_meta[action.stage] = meta
             outgoing.append((send, [encode(meta)], True))
+            last = self.carry.get(("shapes out", action.stage))
+            self.carry["shapes out", action.stage] = meta
+            if last not in (None, meta) and not self.schedule.local(action.stage, _peer(send)):
+                outgoing.append((send, empty_like_meta(last.tensors, self.transport.device), False))
         elif meta != known:
             raise StageError(
                 f"stage {stage.index}: micro-batch {i} produced {meta} but micro-batch 0 "

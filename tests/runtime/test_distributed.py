@@ -62,10 +62,11 @@ def _every_config(rank: int, world: int) -> dict:
         )
     # Fewer micro-batches than stages.
     out["few"] = _train(mlp(), balance, batches(STEPS), chunks=world // 2, schedule="1f1b")
-    # Shapes that change between mini-batches (variable sequence length).
+    # Shapes that change between mini-batches (variable sequence length); a repeated length
+    # takes the first payload posted with the last call's shapes, a new one its stand-in.
     seq_balance = [3, len(sequence_model()) - 3] if world == 2 else [2, 3, 2, 3]
     out["seq"] = _train(
-        sequence_model(), seq_balance, sequence_batches([3, 7, 5]), chunks=4, schedule="1f1b"
+        sequence_model(), seq_balance, sequence_batches([3, 7, 7, 5]), chunks=4, schedule="1f1b"
     )
     return out
 
@@ -76,7 +77,7 @@ def runs(request):
     return world, values(run_ranks(_every_config, world, deadline=240))
 
 
-def _assert_matches(per_rank: list[dict], model: nn.Sequential, data) -> None:
+def assert_trains_like_one_process(per_rank: list[dict], model: nn.Sequential, data) -> None:
     expected_state, expected_losses = reference(copy.deepcopy(model), data)
     seen = set()
     for result in per_rank:
@@ -92,7 +93,8 @@ def _assert_matches(per_rank: list[dict], model: nn.Sequential, data) -> None:
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 def test_parameters_match_single_process_training(runs, schedule, checkpoint):
     world, results = runs
-    _assert_matches([r[schedule, checkpoint] for r in results], mlp(), batches(STEPS))
+    per_rank = [r[schedule, checkpoint] for r in results]
+    assert_trains_like_one_process(per_rank, mlp(), batches(STEPS))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -109,12 +111,14 @@ def test_eval_step_output_matches_the_trained_model(runs, schedule):
 
 def test_fewer_micro_batches_than_stages(runs):
     world, results = runs
-    _assert_matches([r["few"] for r in results], mlp(), batches(STEPS))
+    assert_trains_like_one_process([r["few"] for r in results], mlp(), batches(STEPS))
 
 
 def test_shapes_may_change_between_mini_batches(runs):
     world, results = runs
-    _assert_matches([r["seq"] for r in results], sequence_model(), sequence_batches([3, 7, 5]))
+    assert_trains_like_one_process(
+        [r["seq"] for r in results], sequence_model(), sequence_batches([3, 7, 7, 5])
+    )
 
 
 def _input_bytes(stage: int, world: int) -> int:

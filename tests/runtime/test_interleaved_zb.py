@@ -14,8 +14,15 @@ from torch import nn
 import pipetrain
 from pipetrain.trace import load_folder
 from tests.runtime.harness import run_ranks, values
-from tests.runtime.models import batches, mlp, reference, sgd
-from tests.runtime.test_distributed import TOLERANCE
+from tests.runtime.models import (
+    batches,
+    mlp,
+    reference,
+    sequence_batches,
+    sequence_model,
+    sgd,
+)
+from tests.runtime.test_distributed import TOLERANCE, assert_trains_like_one_process
 
 STEPS = 3
 # uneven balances; interleaved has ranks x 2 stages (the tuple boundary Fork|Join is crossed)
@@ -32,6 +39,12 @@ CONFIGS = {
     },
 }
 SCHEDULES = ["interleaved", "zb-h1", "zb-h2"]
+# sequence_model (10 layers) on inputs whose length changes between mini-batches
+SEQ_BALANCES = {
+    2: {"interleaved": [2, 3, 2, 3], "zb-h1": [4, 6], "zb-h2": [6, 4]},
+    4: {"interleaved": [1, 1, 1, 1, 2, 1, 2, 1], "zb-h1": [2, 3, 2, 3], "zb-h2": [3, 2, 3, 2]},
+}
+LENGTHS = [3, 7, 7, 5]
 
 
 def _pipeline(schedule: str, world: int, devices: bool = False, **options) -> pipetrain.Pipeline:
@@ -57,6 +70,13 @@ def _every_config(rank: int, world: int, folder: str) -> dict:
         out[schedule] = _train(pipe)
         pipe.save_trace()
     out["zb-h1", "always"] = _train(_pipeline("zb-h1", world, checkpoint="always"))
+    for schedule in SCHEDULES:
+        pipe = pipetrain.Pipeline(
+            sequence_model(), SEQ_BALANCES[world][schedule], chunks=4, schedule=schedule,
+            loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60,
+        )
+        losses = [pipe.train_step(x, y) for x, y in sequence_batches(LENGTHS)]
+        out["seq", schedule] = {"state": pipe.module.state_dict(), "losses": losses}
     return out
 
 
@@ -96,6 +116,13 @@ def test_processes_match_single_process_training(runs, schedule):
     _assert_matches([r[schedule] for r in results])
     if schedule == "interleaved":  # stage c*p+r on rank r
         assert [r[schedule]["stages"] for r in results] == [[r, r + world] for r in range(world)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_shapes_may_change_between_mini_batches(runs, schedule):
+    _, _, results = runs
+    per_rank = [r["seq", schedule] for r in results]
+    assert_trains_like_one_process(per_rank, sequence_model(), sequence_batches(LENGTHS))
 
 
 def test_split_backward_with_recomputation(runs):
