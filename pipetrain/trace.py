@@ -159,8 +159,14 @@ def measure_clock_offset(
 ) -> tuple[float, float]:
     """This rank's clock offset from the group's first rank and the one-way latency of a small
     message between them (NTP-style ping-pong; the round with the shortest round trip wins;
-    both 0 on the first rank). Every rank of the group must call it."""
+    both 0 on the first rank). Every rank of the group must call it.
+
+    Ranks under one kernel (one boot) read one monotonic clock, so their offset is 0; the
+    ping-pong only bounds it (within half a round trip, which on busy shared cores reaches a
+    millisecond). There the offset is 0 whenever the measurement allows it."""
     me = dist.get_rank()
+    first_boot = [_boot_id()]
+    dist.broadcast_object_list(first_boot, src=ranks[0], group=group)
     ping = torch.zeros(1, dtype=torch.float64)
     best = (float("inf"), 0.0)
     for peer in ranks[1:]:
@@ -175,7 +181,20 @@ def measure_clock_offset(
                 dist.recv(ping, ranks[0], group=group)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
-    return (best[1], best[0] / 2) if me != ranks[0] else (0.0, 0.0)
+    if me == ranks[0]:
+        return 0.0, 0.0
+    round_trip, offset = best
+    if first_boot[0] is not None and first_boot[0] == _boot_id() and abs(offset) <= round_trip / 2:
+        offset = 0.0
+    return offset, round_trip / 2
+
+
+def _boot_id() -> str | None:
+    """Names this kernel's boot (Linux); processes that share it share the monotonic clock."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def shared_cores(traces: Sequence[RankTrace]) -> dict[tuple[int, ...], int] | None:

@@ -176,6 +176,10 @@ def test_merged_trace_is_chrome_json_with_a_track_per_rank(tmp_path, world):
     latencies = {t.rank: t.link_latency for t in load_folder(tmp_path)}
     assert latencies[0] == 0.0, "rank 0 is the reference"
     assert all(0.0 < latencies[r] < 0.05 for r in range(1, world)), latencies
+    # one host, one kernel: one monotonic clock, so no rank is shifted (a measured offset
+    # would be off by up to half a round trip)
+    offsets = [json.loads(p.read_text())["clock_offset"] for p in tmp_path.glob("trace-rank*")]
+    assert offsets == [0.0] * world
     assert 0.0 < result["simulated_bubble"] < 1.0
     assert result["picture"].stat().st_size > 10_000
 
