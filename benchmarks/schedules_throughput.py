@@ -15,18 +15,20 @@ does; --no-pin leaves placement to the OS), ranks joined by gloo (started here).
 
 Variants alternate: every round runs each variant for a few steps, the order rotating from
 round to round; a step's time is the slowest rank's; the table gives the median over all timed
-steps. From the traces of the timed steps: "measured bubble" is 1 - compute / (ranks x step),
-the step running from its first action's start to its last action's end on any rank, compute
-being F+B+W; "simulated" is the same step's simulated twin (pipetrain.trace.simulated_twin:
-the schedule simulated with the step's measured per-stage F, B, W and optimizer-step times, each
-rank's measured runtime overhead per action and the step's message latency,
-pipetrain.trace.message_latency) and each rank's entry into the step (ranks leave the barrier
-before it a few milliseconds apart); both averaged over the timed steps. With 4 ranks on a
-2-core machine the ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share
-one core, 1 and 3 the other): the twin then runs each pair on its core (processor sharing,
-with the measured times converted to full speed; pipetrain.trace.shared_cores and full_speed).
-Compute times inflate and bubbles mix with waiting for a core, so compare variants within one
-rank count, not across.
+steps, and "vs peer" torch's same schedule's median over pipetrain's (interleaved against
+ScheduleInterleaved1F1B, ZB-H1 against ScheduleInterleavedZeroBubble, ZB-H2 against
+ScheduleZBVZeroBubble). From the traces of the timed steps: "measured bubble" is
+1 - compute / (ranks x step), the step running from its first action's start to its last
+action's end on any rank, compute being F+B+W; "simulated" is the same step's simulated twin
+(pipetrain.trace.simulated_twin: the schedule simulated with the step's measured per-stage F, B,
+W and optimizer-step times, each rank's measured runtime overhead per action and the step's
+message latency, pipetrain.trace.message_latency, and each rank's entry into the step: ranks
+leave the barrier before it a few milliseconds apart); "twin step" is the twin's step time over
+the measured one; all three averaged over the timed steps. With 4 ranks on a 2-core machine the
+ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share one core, 1 and 3 the
+other): the twin then runs each pair on its core (processor sharing, with the measured times
+converted to full speed; pipetrain.trace.shared_cores and full_speed). Compute times inflate and
+bubbles mix with waiting for a core, so compare variants within one rank count, not across.
 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
@@ -48,6 +50,7 @@ WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
 PIPETRAIN = ("1f1b", "interleaved", "zb-h1", "zb-h2")
 TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
+PEER = {"interleaved": TORCH[0], "zb-h1": TORCH[1], "zb-h2": TORCH[2]}  # torch's same schedule
 
 
 def linear_model():
@@ -90,17 +93,26 @@ class _Pipetrain:
         self.pipe.train_step(self.x, self.y)
 
 
-def _bubbles(folder: str, skip: int) -> tuple[float, float]:
-    """Mean over the traced steps after ``skip`` warm-up steps: the measured bubble fraction
-    and that of the step's simulated twin (pipetrain.trace.simulated_twin)."""
+def _bubbles(folder: str, skip: int) -> dict[str, float]:
+    """Means over the traced steps after ``skip`` warm-up steps: the measured bubble fraction,
+    that of the step's simulated twin (pipetrain.trace.simulated_twin), and the twin's step
+    time over the measured one (first action's start to last action's end)."""
     from pipetrain.trace import load_folder, simulated_twin, step_spans
     from schedules import bubble_fraction
 
+    def extent(spans) -> float:
+        return max(s.end for s in spans) - min(s.start for s in spans)
+
     traces = load_folder(folder)
-    steps = range(skip, min(len(t.steps) for t in traces))
-    measured = [bubble_fraction(step_spans(traces, k)) for k in steps]
-    simulated = [bubble_fraction(simulated_twin(traces, k)) for k in steps]
-    return statistics.mean(measured), statistics.mean(simulated)
+    pairs = [
+        (step_spans(traces, k), simulated_twin(traces, k))
+        for k in range(skip, min(len(t.steps) for t in traces))
+    ]
+    return {
+        "measured": statistics.mean(bubble_fraction(m) for m, _ in pairs),
+        "simulated": statistics.mean(bubble_fraction(t) for _, t in pairs),
+        "step_ratio": statistics.mean(extent(t) / extent(m) for m, t in pairs),
+    }
 
 
 class _Torch:
@@ -189,7 +201,7 @@ def _rank(
     dist.barrier()
     if rank == 0:
         for name in PIPETRAIN:
-            rows[name]["measured"], rows[name]["simulated"] = _bubbles(f"{trace}/{name}", 2)
+            rows[name].update(_bubbles(f"{trace}/{name}", 2))
         out.update(rows)
         shutil.rmtree(trace, ignore_errors=True)
     dist.barrier()
@@ -225,14 +237,17 @@ def main() -> None:
         base = rows["1f1b"]["median"]
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))
-        print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}"
-              f"{'bubble measured':>17}{'simulated':>11}")
+        print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}{'vs peer':>9}"
+              f"{'bubble measured':>17}{'simulated':>11}{'twin step':>11}")
         for name, row in rows.items():
             label = name if name.startswith("torch") else f"pipetrain-{name}"
+            peer = rows.get(PEER.get(name, ""))
+            versus = f"{peer['median'] / row['median']:>8.2f}x" if peer else f"{'-':>9}"
             bubble = (f"{row['measured']:>17.1%}{row['simulated']:>11.1%}"
-                      if "measured" in row else f"{'-':>17}{'-':>11}")
+                      f"{row['step_ratio']:>10.2f}x"
+                      if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}")
             print(f"{label:<26}{row['median'] * 1e3:>9.1f}{BATCH / row['median']:>11.0f}"
-                  f"{base / row['median']:>8.2f}x{bubble}")
+                  f"{base / row['median']:>8.2f}x{versus}{bubble}")
 
 
 if __name__ == "__main__":
