@@ -33,6 +33,8 @@ bubbles mix with waiting for a core, so compare variants within one rank count, 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
     python benchmarks/schedules_throughput.py --no-peers   # pipetrain's schedules only
+    python benchmarks/schedules_throughput.py --ranks 2 --rounds 20 \
+        --variants interleaved,torch-interleaved-1f1b        # one pair, more steps
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class _Torch:
 
 
 def _rank(
-    rank: int, ranks: int, port: int, rounds: int, steps: int, peers: bool, pin: bool,
+    rank: int, ranks: int, port: int, rounds: int, steps: int, names: list[str], pin: bool,
     out: dict,
 ) -> None:
     import time
@@ -171,9 +173,9 @@ def _rank(
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     variants: dict[str, object] = {}
     trace = os.path.join(tempfile.gettempdir(), f"pipetrain-schedules-{port}")  # all ranks'
-    for name in PIPETRAIN:
+    for name in [n for n in names if n in PIPETRAIN]:
         variants[name] = _Pipetrain(name, ranks, x, y, f"{trace}/{name}")
-    for name in TORCH if peers else ():
+    for name in [n for n in names if n in TORCH]:
         try:
             variants[name] = _Torch(name, rank, ranks, x, y)
         except Exception as error:  # an API this torch lacks: report, go on
@@ -200,7 +202,7 @@ def _rank(
             variant.pipe.save_trace()
     dist.barrier()
     if rank == 0:
-        for name in PIPETRAIN:
+        for name in [n for n in names if n in PIPETRAIN]:
             rows[name].update(_bubbles(f"{trace}/{name}", 2))
         out.update(rows)
         shutil.rmtree(trace, ignore_errors=True)
@@ -208,15 +210,15 @@ def _rank(
     dist.destroy_process_group()
 
 
-def _worker(rank, port, ranks, rounds, steps, peers, pin, results):
+def _worker(rank, port, ranks, rounds, steps, names, pin, results):
     out: dict = {}
-    _rank(rank, ranks, port, rounds, steps, peers, pin, out)
+    _rank(rank, ranks, port, rounds, steps, names, pin, out)
     if rank == 0:
         results.put(out)
 
 
-def run(ranks: int, rounds: int, steps: int, peers: bool = True, pin: bool = True) -> dict:
-    return spawn_ranks(_worker, ranks, ranks, rounds, steps, peers, pin)
+def run(ranks: int, rounds: int, steps: int, names: list[str], pin: bool = True) -> dict:
+    return spawn_ranks(_worker, ranks, ranks, rounds, steps, names, pin)
 
 
 def main() -> None:
@@ -228,13 +230,19 @@ def main() -> None:
                         help="skip torch.distributed.pipelining's schedules")
     parser.add_argument("--no-pin", action="store_true",
                         help="leave the ranks unpinned (the OS places them and gloo's threads)")
+    parser.add_argument("--variants", default=",".join(PIPETRAIN + TORCH),
+                        help="comma-separated variants to run (default: all)")
     args = parser.parse_args()
+    names = [n for n in args.variants.split(",") if n in PIPETRAIN or not args.no_peers]
+    unknown = sorted(set(names) - set(PIPETRAIN + TORCH))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(PIPETRAIN + TORCH)}")
     print(f"model {BLOCKS} x (Linear({WIDTH})+ReLU), batch {BATCH}, {CHUNKS} micro-batches, "
           f"{os.cpu_count()} cores, ranks {'un' if args.no_pin else ''}pinned; median of "
           f"{args.rounds * args.steps} steps per variant")
     for ranks in [int(r) for r in args.ranks.split(",")]:
-        rows = run(ranks, args.rounds, args.steps, not args.no_peers, not args.no_pin)
-        base = rows["1f1b"]["median"]
+        rows = run(ranks, args.rounds, args.steps, names, not args.no_pin)
+        base = rows.get("1f1b", {}).get("median")
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))
         print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}{'vs peer':>9}"
@@ -246,8 +254,9 @@ def main() -> None:
             bubble = (f"{row['measured']:>17.1%}{row['simulated']:>11.1%}"
                       f"{row['step_ratio']:>10.2f}x"
                       if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}")
+            against = f"{base / row['median']:>8.2f}x" if base else f"{'-':>9}"
             print(f"{label:<26}{row['median'] * 1e3:>9.1f}{BATCH / row['median']:>11.0f}"
-                  f"{base / row['median']:>8.2f}x{versus}{bubble}")
+                  f"{against}{versus}{bubble}")
 
 
 if __name__ == "__main__":
