@@ -453,7 +453,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
         f"bubble {result['measured_bubble']:.1%}, simulated {result['simulated_bubble']:.1%} "
         "(the simulated twin: the schedule timed with this step's measured compute, runtime "
-        "overhead and message latency)"
+        "overhead, message latency and the ranks' entry times)"
     )
     overheads = ", ".join(f"{o * 1e3:.3f}" for o in result["overhead"])
     print(f"runtime overhead per action, ms per rank: {overheads} (for `plan --overhead-ms`)")
