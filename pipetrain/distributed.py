@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -52,7 +54,11 @@ def pin_to_cores(local_rank: int, local_world: int) -> list[int]:
     Call it before the process group starts, so the backend's threads (gloo's I/O loop) are
     pinned too: they then take their rank's own processor when a message arrives, instead of
     preempting a neighbour's compute and stalling it for a scheduler time slice. The rank's
-    other threads (torch's intra-op pool) should be at most the slice's size."""
+    other threads (torch's intra-op pool) should be at most the slice's size.
+
+    A rank with processors of its own also gets quiet I/O threads (:func:`quiet_io_threads`).
+    """
+    global _OWN_CORES
     if not 0 <= local_rank < local_world:
         raise ValueError(f"local rank {local_rank} is not in 0..{local_world - 1}")
     if not hasattr(os, "sched_setaffinity"):
@@ -63,7 +69,53 @@ def pin_to_cores(local_rank: int, local_world: int) -> list[int]:
         cpus[local_rank % len(cpus)]
     ]
     os.sched_setaffinity(0, mine)
+    _OWN_CORES = share > 0
     return mine
+
+
+_OWN_CORES = False  # set by pin_to_cores: this rank has processors no other local rank uses
+_IO_THREAD = "gloo_tcp_loop"
+
+
+@contextmanager
+def quiet_io_threads() -> Iterator[None]:
+    """Move the gloo I/O threads that start inside the block (one per process group) to the
+    idle scheduling class, when :func:`pin_to_cores` gave this rank processors of its own.
+
+    Why: the I/O thread shares its rank's processor with the compute. When a message arrives
+    while the compute thread is inside a send or receive call, holding that link's lock, the
+    woken I/O thread preempts it, finds the lock taken and polls its still-readable socket
+    until its time slice ends: the compute waits milliseconds for nothing. In the idle class
+    it never preempts, and runs whenever the compute thread blocks (on a wait for a message,
+    which is when the I/O is needed). Ranks that share processors are left alone: there an
+    idle I/O thread would wait for the neighbour's compute.
+    """
+    before = _io_threads()
+    yield
+    if not _OWN_CORES:
+        return
+    for tid in _io_threads() - before:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def _io_threads() -> set[int]:
+    """The thread ids of this process's gloo I/O threads (none where /proc is missing)."""
+    found: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except FileNotFoundError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().strip() == _IO_THREAD:
+                    found.add(int(tid))
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def _default_backend() -> str:

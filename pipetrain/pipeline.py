@@ -25,7 +25,7 @@ from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.data_parallel import GradientSync, tied_parameters
-from pipetrain.distributed import local_device
+from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
 from pipetrain.placement import Placement, join
@@ -238,7 +238,8 @@ class Pipeline:
             # using a weight share one tensor and the first of them steps it.
             rank_sets = [tuple(sorted({rank_of(s) for s in stages})) for _, stages in ties]
             cross = [r for r in rank_sets if len(r) > 1]
-            self.placement = join(group, nranks, replicas, cross, timeout)
+            with quiet_io_threads():
+                self.placement = join(group, nranks, replicas, cross, timeout)
             here = self.schedule.stages_on(self.placement.stage)
             self.stage = here[0]
             ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group

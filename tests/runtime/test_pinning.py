@@ -1,5 +1,6 @@
 """Pinning ranks to processors: each local rank gets its own share, threads started after
-(gloo's I/O loop among them) inherit it, and a trace records it so its simulated twin knows
+(gloo's I/O loop among them) inherit it, a rank with processors of its own runs its pipeline's
+I/O threads in the idle class, and a trace records the pinning so its simulated twin knows
 how many processors the ranks shared."""
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ import threading
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 
 import pipetrain
-from pipetrain.distributed import pin_to_cores
+from pipetrain.distributed import _io_threads, pin_to_cores
 from tests.runtime.harness import free_port, run_ranks, values
+from tests.runtime.models import batches, mlp, sgd
+from tests.runtime.test_distributed import assert_trains_like_one_process
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
@@ -43,6 +47,41 @@ def test_each_local_rank_gets_its_own_processors_and_threads_inherit_them():
             assert mine == [CPUS[rank % len(CPUS)]]
     if share:
         assert not set(got[0][0]) & set(got[1][0]), "ranks share no processor"
+
+
+def _quiet_pipeline(rank: int, world: int, port: int, local_world: int) -> dict:
+    """Join pinned as local rank ``rank`` of ``local_world``, build a 2-stage pipeline and train
+    it; return the scheduling policies of the gloo I/O threads that were there before the
+    pipeline and of those its groups started, and what training gave."""
+    dist.destroy_process_group()
+    os.environ.update(MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(local_world))
+    pipetrain.init_distributed("gloo", timeout=30, pin_cores=True)
+    before = _io_threads()
+    pipe = pipetrain.Pipeline(
+        mlp(), [4, 8], chunks=4, loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60
+    )
+    started = _io_threads() - before
+    losses = [pipe.train_step(x, y) for x, y in batches(3)]
+    return {
+        "before": [os.sched_getscheduler(t) for t in before],
+        "started": [os.sched_getscheduler(t) for t in started],
+        "state": pipe.module.state_dict(), "losses": losses,
+    }
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 processors to give each rank its own")
+@pytest.mark.parametrize("shared", [False, True], ids=["own-processors", "shared-processors"])
+def test_pinned_ranks_with_processors_of_their_own_run_the_pipelines_io_idle(shared):
+    # one rank more per node than processors: pinned round robin, shared, left alone
+    local_world = len(CPUS) + 1 if shared else 2
+    got = values(run_ranks(_quiet_pipeline, 2, free_port(), local_world, deadline=120))
+    for result in got:
+        assert result["before"] and set(result["before"]) == {os.SCHED_OTHER}, \
+            "the default group's I/O thread, started before the pipeline, is left alone"
+        assert result["started"], "the pipeline's groups start I/O threads of their own"
+        expected = os.SCHED_OTHER if shared else os.SCHED_IDLE
+        assert set(result["started"]) == {expected}
+    assert_trains_like_one_process(got, mlp(), batches(3))
 
 
 def _last_of_too_many(rank: int, world: int) -> list[int]:
