@@ -99,6 +99,9 @@ def quiet_io_threads() -> Iterator[None]:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except ProcessLookupError:  # the thread ended meanwhile
             pass
+        except PermissionError as error:  # a sandbox may forbid it; only speed is at stake
+            warnings.warn(f"gloo's I/O threads keep their scheduling class: {error}", stacklevel=3)
+            return
 
 
 def _io_threads() -> set[int]:
