@@ -11,6 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+_OWN_CORES = False  # set by pin_to_cores: this rank has processors no other local rank uses
+_IO_THREAD = "gloo_tcp_loop"
+
 
 def init_distributed(
     backend: str | None = None, timeout: float = 600.0, pin_cores: bool = False
@@ -71,10 +74,6 @@ def pin_to_cores(local_rank: int, local_world: int) -> list[int]:
     os.sched_setaffinity(0, mine)
     _OWN_CORES = share > 0
     return mine
-
-
-_OWN_CORES = False  # set by pin_to_cores: this rank has processors no other local rank uses
-_IO_THREAD = "gloo_tcp_loop"
 
 
 @contextmanager
