@@ -24,7 +24,11 @@ action's end on any rank, compute being F+B+W; "simulated" is the same step's si
 W and optimizer-step times, each rank's measured runtime overhead per action and the step's
 message latency, pipetrain.trace.message_latency, and each rank's entry into the step: ranks
 leave the barrier before it a few milliseconds apart); "twin step" is the twin's step time over
-the measured one; all three averaged over the timed steps. With 4 ranks on a 2-core machine the
+the measured one; "replayed" is the per-action twin's bubble (simulated_twin(per_action=True):
+each compute and optimizer step with its own measured time instead of its stage's mean, so
+that only the model of waiting differs; on shared cores an action's time strays from its
+stage's mean by about half of it, and the step follows the slow ones); all averaged over the
+timed steps. With 4 ranks on a 2-core machine the
 ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share one core, 1 and 3 the
 other): the twin then runs each pair on its core (processor sharing, with the measured times
 converted to full speed; pipetrain.trace.shared_cores and full_speed). Compute times inflate and
@@ -97,8 +101,9 @@ class _Pipetrain:
 
 def _bubbles(folder: str, skip: int) -> dict[str, float]:
     """Means over the traced steps after ``skip`` warm-up steps: the measured bubble fraction,
-    that of the step's simulated twin (pipetrain.trace.simulated_twin), and the twin's step
-    time over the measured one (first action's start to last action's end)."""
+    that of the step's simulated twin (pipetrain.trace.simulated_twin) with stage means and with
+    each action's own time, and the stage-mean twin's step time over the measured one (first
+    action's start to last action's end)."""
     from pipetrain.trace import load_folder, simulated_twin, step_spans
     from schedules import bubble_fraction
 
@@ -106,14 +111,15 @@ def _bubbles(folder: str, skip: int) -> dict[str, float]:
         return max(s.end for s in spans) - min(s.start for s in spans)
 
     traces = load_folder(folder)
-    pairs = [
-        (step_spans(traces, k), simulated_twin(traces, k))
+    steps = [
+        (step_spans(traces, k), simulated_twin(traces, k), simulated_twin(traces, k, True))
         for k in range(skip, min(len(t.steps) for t in traces))
     ]
     return {
-        "measured": statistics.mean(bubble_fraction(m) for m, _ in pairs),
-        "simulated": statistics.mean(bubble_fraction(t) for _, t in pairs),
-        "step_ratio": statistics.mean(extent(t) / extent(m) for m, t in pairs),
+        "measured": statistics.mean(bubble_fraction(m) for m, _, _ in steps),
+        "simulated": statistics.mean(bubble_fraction(t) for _, t, _ in steps),
+        "replayed": statistics.mean(bubble_fraction(r) for _, _, r in steps),
+        "step_ratio": statistics.mean(extent(t) / extent(m) for m, t, _ in steps),
     }
 
 
@@ -246,14 +252,14 @@ def main() -> None:
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))
         print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}{'vs peer':>9}"
-              f"{'bubble measured':>17}{'simulated':>11}{'twin step':>11}")
+              f"{'bubble measured':>17}{'simulated':>11}{'twin step':>11}{'replayed':>10}")
         for name, row in rows.items():
             label = name if name.startswith("torch") else f"pipetrain-{name}"
             peer = rows.get(PEER.get(name, ""))
             versus = f"{peer['median'] / row['median']:>8.2f}x" if peer else f"{'-':>9}"
             bubble = (f"{row['measured']:>17.1%}{row['simulated']:>11.1%}"
-                      f"{row['step_ratio']:>10.2f}x"
-                      if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}")
+                      f"{row['step_ratio']:>10.2f}x{row['replayed']:>10.1%}"
+                      if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}{'-':>10}")
             against = f"{base / row['median']:>8.2f}x" if base else f"{'-':>9}"
             print(f"{label:<26}{row['median'] * 1e3:>9.1f}{BATCH / row['median']:>11.0f}"
                   f"{against}{versus}{bubble}")

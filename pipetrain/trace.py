@@ -332,7 +332,9 @@ def step_overheads(traces: Sequence[RankTrace], step: int = -1) -> list[float]:
     return [runtime_overhead(t.steps[step], work[t.stage]) for t in traces]
 
 
-def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
+def simulated_twin(
+    traces: Sequence[RankTrace], step: int = -1, per_action: bool = False
+) -> list[Span]:
     """The schedule simulated with what was measured in step ``step``: each stage's mean
     forward, backward, weight and optimizer-step times, each rank's runtime overhead per
     action, the step's message latency (:func:`message_latency`; the start-up measurement
@@ -340,7 +342,9 @@ def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     step, ranks enter a few milliseconds apart). When ranks shared too few cores
     (:func:`shared_cores`), the costs are converted to full speed (:func:`full_speed`) and
     simulated on the cores each group shared. What differs from the measured step is what the
-    simulator's model of waiting gets wrong."""
+    simulator's model of waiting gets wrong, plus (with stage means) the spread of the actions'
+    times: ``per_action`` replays each compute and optimizer step with its own measured time,
+    which leaves the waiting alone to differ."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
     origin = min(s.start for s in spans)
@@ -349,12 +353,17 @@ def simulated_twin(traces: Sequence[RankTrace], step: int = -1) -> list[Span]:
     cost = measured_costs(spans, schedule.stages, work)
     latency = message_latency(spans)
     overhead = step_overheads(traces, step)
+    timed = COMPUTE | {Kind.STEP}
+    durations = {
+        s.action: work[s.lane](s.start, s.end) for s in spans if s.action.kind in timed
+    } if per_action else None
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
             transfer=max(t.link_latency for t in traces) if latency is None else latency,
             optimizer_step=cost[Kind.STEP], weight=cost[Kind.WEIGHT], overhead=overhead,
             cores=cores, start=[min(s.start for s in t.steps[step]) - origin for t in traces],
+            durations=durations,
         ).timeline
     )
 

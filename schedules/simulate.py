@@ -12,7 +12,9 @@ fewer cores than ranks; ranks pinned to separate processors share only within th
 message may also cost processor time (``copy``): on one host a message is a memory copy out of
 the sender and one into the receiver, done by their transport threads alongside compute, so on
 shared cores the copies slow compute down and compute slows them. Ranks may enter the step at
-different times (``start``), as they leave a barrier or their previous step one by one.
+different times (``start``), as they leave a barrier or their previous step one by one. Single
+actions may take their own time (``durations``) instead of their stage's cost, as when a trace is
+replayed action by action.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -32,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from schedules.action import Action, Kind, Schedule
+from schedules.action import COMPUTE, Action, Kind, Schedule
 from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
@@ -107,6 +109,7 @@ def _compute_costs(
 
 
 # how each compute changes (micro-batches held, micro-batches holding everything)
+_TIMED = COMPUTE | {Kind.STEP}  # the actions that take a cost
 _MEMORY_SPLIT = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (0, -1), Kind.WEIGHT: (-1, 0)}
 _MEMORY_WHOLE = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (-1, -1)}
 
@@ -123,6 +126,7 @@ def simulate(
     cores: Cores = None,
     copy: float | Sequence[float] = 0.0,
     start: float | Sequence[float] = 0.0,
+    durations: Mapping[Action, float] | None = None,
     calls: int = 1,
     flush: bool = True,
 ) -> Simulation:
@@ -152,6 +156,11 @@ def simulate(
 
     ``start``: when each rank enters the step (a scalar for every rank; all at 0 by default).
 
+    ``durations``: the time of single compute or step actions (full-speed seconds, like the
+    costs), overriding their stage's cost; the others keep it. A measured step's actions vary
+    around their stage's mean (on shared cores by half of it), and the step follows its slow
+    ones: a replay with each action's own time separates that from the model of waiting.
+
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
     steady-state cost per train_step is ``steady_state``'s.
@@ -160,7 +169,7 @@ def simulate(
     if schedule.asynchronous:
         schedule = unroll(schedule, calls, flush)
     return _Run(schedule, forward, backward, weight, optimizer_step, transfer, overhead,
-                cores, copy, start).result()
+                cores, copy, start, durations or {}).result()
 
 
 @dataclass
@@ -211,6 +220,20 @@ class _Pool:
         return ended
 
 
+def _durations(schedule: Schedule, durations: Mapping[Action, float]) -> dict[Action, float]:
+    """``durations`` checked against the schedule: its timed actions, none negative."""
+    timed = {a for ops in schedule.actions.values() for a in ops if a.kind in _TIMED}
+    for a, seconds in durations.items():
+        if a not in timed:
+            raise ValueError(
+                f"durations: {a} is no compute or step action of {schedule.name!r}; give times "
+                "only for the actions the schedule runs (a trace of another schedule?)"
+            )
+        if seconds < 0:
+            raise ValueError(f"durations: {a} takes {seconds} s; durations must be at least 0")
+    return {a: float(seconds) for a, seconds in durations.items()}
+
+
 def _pools(cores: Cores, ranks: int) -> list[_Pool]:
     """Each rank's pool: ranks sharing processors share the object, and ranks with their own
     processors share one unlimited pool (full speed whatever runs)."""
@@ -245,10 +268,11 @@ class _Run:
 
     def __init__(  # type: ignore[no-untyped-def]
         self, schedule: Schedule, forward, backward, weight, optimizer_step, transfer,
-        overhead, cores: Cores, copy, start,
+        overhead, cores: Cores, copy, start, durations: Mapping[Action, float],
     ):
         self.schedule = schedule
         self.cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
+        self.durations = _durations(schedule, durations)
         ranks = schedule.ranks
         self.link = _per_stage(transfer, max(schedule.stages - 1, 0), "transfer")
         copies = _per_stage(copy, max(schedule.stages - 1, 0), "copy")
@@ -323,6 +347,10 @@ class _Run:
         self.pool[r].start(work, r, r)
         return True
 
+    def _cost(self, a: Action) -> float:
+        """Full-speed seconds of compute or step action ``a``."""
+        return self.durations.get(a, self.cost[a.kind][a.stage])
+
     def _post(self, receive: Action, hop: float) -> None:
         """The message for ``receive`` leaves now and lands ``hop`` later."""
         self.arrival[receive] = self.now + hop
@@ -341,7 +369,7 @@ class _Run:
                 self._span(a, self.free_since[r], r)
             elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                 pass  # posted when its compute ended (see _done), as the runtime does
-            elif self._run(r, self.cost[a.kind][a.stage], overhead=False):
+            elif self._run(r, self._cost(a), overhead=False):
                 return
             else:
                 self._done(r, a)
@@ -352,7 +380,7 @@ class _Run:
 
     def _done(self, r: int, a: Action) -> None:
         """Compute or step action ``a`` of rank r ends now."""
-        cost = self.cost[a.kind][a.stage]
+        cost = self._cost(a)
         self._span(a, self.started[r] if cost > 0 else self.now, r)
         if a.kind is not Kind.STEP:  # at full speed it took its cost (to the last bit)
             self.busy[r] += cost if self.pool[r].unlimited else self.spans[-1].duration

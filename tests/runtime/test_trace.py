@@ -158,6 +158,30 @@ def test_the_twin_of_a_simulated_step_is_that_step():
         assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
 
 
+def test_the_per_action_twin_replays_each_actions_own_time():
+    # a step whose actions vary around their stage's mean (here each micro-batch's forward and
+    # backward its own time), on shared cores: the per-action twin gives it back to the bit;
+    # the stage-mean twin, running every action at its mean, does not
+    schedule = build("1f1b", 4, 4)
+    durations = {
+        a: (1.0 + 0.5 * a.microbatch) * (2.0 if a.kind is Kind.BACKWARD else 1.0)
+        for ops in schedule.actions.values() for a in ops if a.kind in (Kind.FORWARD, Kind.BACKWARD)
+    }
+    step = simulate(
+        schedule, 1.0, 2.0, transfer=0.25, cores={(0, 2): 1, (1, 3): 1},
+        start=[0.3, 0.0, 0.1, 0.2], durations=durations,
+    ).timeline
+    traces = [
+        RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
+        for r in range(4)
+    ]
+    replay = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0, per_action=True)}
+    for s in step:
+        assert replay[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
+    means = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
+    assert any(means[s.action] != pytest.approx((s.start, s.end), abs=1e-6) for s in step)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_merged_trace_is_chrome_json_with_a_track_per_rank(tmp_path, world):
     bubbles = values(run_ranks(_traced, world, str(tmp_path), deadline=120))

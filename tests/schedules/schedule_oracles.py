@@ -242,13 +242,15 @@ def longest_path_times(
     link: Sequence[float],
     opt: Sequence[float],
     wgt: Sequence[float] | None = None,
+    durations: Mapping[Action, float] | None = None,
 ) -> dict[tuple[int, int], float]:
     """Completion time of every (rank, position), by Kahn's algorithm on the dependency graph.
 
     Model (documented by the simulator): a rank runs its list in order; compute and STEP take
-    their stage's cost (W: ``wgt``); a send is free and its message leaves when the compute that
-    produced the tensor ends; a receive completes when that message has crossed the link. A
-    compute that takes its input from a stage on its own rank waits for that compute (no link).
+    their stage's cost (W: ``wgt``) or, where ``durations`` names them, their own; a send is
+    free and its message leaves when the compute that produced the tensor ends; a receive
+    completes when that message has crossed the link. A compute that takes its input from a
+    stage on its own rank waits for that compute (no link).
     """
     cost = {F: fwd, B: bwd, W: wgt or [0.0] * schedule.stages, STEP: opt}
     where = {a: (r, k) for r, ops in schedule.actions.items() for k, a in enumerate(ops)}
@@ -280,7 +282,8 @@ def longest_path_times(
         r, k = n
         a = schedule.actions[r][k]
         ready = max((time[src] + w for src, w in preds[n]), default=0.0)
-        time[n] = ready + (cost[a.kind][a.stage] if a.kind in cost else 0.0)
+        took = cost[a.kind][a.stage] if a.kind in cost else 0.0
+        time[n] = ready + (durations or {}).get(a, took)
         for nxt in succ[n]:
             indeg[nxt] -= 1
             if indeg[nxt] == 0:

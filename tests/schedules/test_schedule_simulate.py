@@ -241,6 +241,51 @@ def test_simulator_agrees_with_longest_path_model(seed):
     assert sim.step_time == pytest.approx(max(expected))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_action_durations_agree_with_longest_path_model(seed):
+    # each compute and step action its own time: the simulator and the independent model of
+    # earliest times still agree action by action
+    rng = random.Random(3000 + seed)
+    p, m, schedule = random_case(rng, 1, 6)
+    fwd, bwd, link, opt = random_costs(p, rng)
+    durations = {
+        a: rng.choice([0.0, 0.25, 1.0, 2.5, 4.0])
+        for ops in schedule.actions.values() for a in ops
+        if a.kind in (F, B, Kind.STEP) and rng.random() < 0.5
+    }
+    sim = simulate(schedule, fwd, bwd, link, opt, durations=durations)
+    times = longest_path_times(schedule, fwd, bwd, link, opt, durations=durations)
+    assert list(sim.finish) == pytest.approx(
+        [times[(s, len(schedule.actions[s]) - 1)] for s in range(p)]
+    )
+    for span in sim.timeline:
+        if span.action in durations:
+            assert span.duration == pytest.approx(durations[span.action]), span.action
+
+
+def test_action_durations_by_hand():
+    # GPipe, 2 stages, 1 micro-batch, F=1, B=2: F0 F1 B1 B0 back to back takes 6; a forward
+    # on stage 0 that takes 3 delays everything after it by 2, a backward on stage 1 that
+    # takes nothing saves its 2
+    schedule = gpipe(2, 1)
+    assert simulate(schedule, 1.0, 2.0).step_time == 6.0
+    assert simulate(schedule, 1.0, 2.0, durations={Action(F, 0, 0): 3.0}).step_time == 8.0
+    assert simulate(schedule, 1.0, 2.0, durations={Action(B, 1, 0): 0.0}).step_time == 4.0
+
+
+@pytest.mark.parametrize(
+    "durations, what",
+    [
+        ({Action(F, 5, 0): 1.0}, "no compute or step action"),
+        ({Action(SA, 0, 0): 1.0}, "no compute or step action"),
+        ({Action(F, 0, 0): -1.0}, "at least 0"),
+    ],
+)
+def test_durations_must_name_timed_actions_of_the_schedule(durations, what):
+    with pytest.raises(ValueError, match=what):
+        simulate(gpipe(2, 1), 1.0, 2.0, durations=durations)
+
+
 def simulate_with_action_times(schedule, *costs):
     """Run the simulator; return it and the end time of each compute and step action, read
     from its timeline (whose spans must also last exactly their action's cost)."""
