@@ -24,11 +24,11 @@ action's end on any rank, compute being F+B+W; "simulated" is the same step's si
 W and optimizer-step times, each rank's measured runtime overhead per action and the step's
 message latency, pipetrain.trace.message_latency, and each rank's entry into the step: ranks
 leave the barrier before it a few milliseconds apart); "twin step" is the twin's step time over
-the measured one; "replayed" is the per-action twin's bubble (simulated_twin(per_action=True):
-each compute and optimizer step with its own measured time instead of its stage's mean, so
-that only the model of waiting differs; on shared cores an action's time strays from its
-stage's mean by about half of it, and the step follows the slow ones); all averaged over the
-timed steps. With 4 ranks on a 2-core machine the
+the measured one; "drawn" is the twin's bubble with each compute and optimizer step taking a
+time drawn from those its stage measured for that kind in the step instead of their mean
+(simulated_twin(traces, k, rng), mean of DRAWS draws per step): on shared cores an action's time
+strays from its stage's mean by a third to a half of it, and a step follows its slow actions,
+which the mean hides; all averaged over the timed steps. With 4 ranks on a 2-core machine the
 ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share one core, 1 and 3 the
 other): the twin then runs each pair on its core (processor sharing, with the measured times
 converted to full speed; pipetrain.trace.shared_cores and full_speed). Compute times inflate and
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -54,6 +55,7 @@ from ranks import spawn_ranks
 
 WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
+DRAWS = 10  # twins with drawn action times per traced step
 PIPETRAIN = ("1f1b", "interleaved", "zb-h1", "zb-h2")
 TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
 PEER = {"interleaved": TORCH[0], "zb-h1": TORCH[1], "zb-h2": TORCH[2]}  # torch's same schedule
@@ -102,8 +104,8 @@ class _Pipetrain:
 def _bubbles(folder: str, skip: int) -> dict[str, float]:
     """Means over the traced steps after ``skip`` warm-up steps: the measured bubble fraction,
     that of the step's simulated twin (pipetrain.trace.simulated_twin) with stage means and with
-    each action's own time, and the stage-mean twin's step time over the measured one (first
-    action's start to last action's end)."""
+    action times drawn from the stages' measured ones (DRAWS draws), and the stage-mean twin's
+    step time over the measured one (first action's start to last action's end)."""
     from pipetrain.trace import load_folder, simulated_twin, step_spans
     from schedules import bubble_fraction
 
@@ -111,15 +113,17 @@ def _bubbles(folder: str, skip: int) -> dict[str, float]:
         return max(s.end for s in spans) - min(s.start for s in spans)
 
     traces = load_folder(folder)
-    steps = [
-        (step_spans(traces, k), simulated_twin(traces, k), simulated_twin(traces, k, True))
-        for k in range(skip, min(len(t.steps) for t in traces))
+    rng = random.Random(0)
+    steps = range(skip, min(len(t.steps) for t in traces))
+    pairs = [(step_spans(traces, k), simulated_twin(traces, k)) for k in steps]
+    drawn = [
+        bubble_fraction(simulated_twin(traces, k, rng)) for k in steps for _ in range(DRAWS)
     ]
     return {
-        "measured": statistics.mean(bubble_fraction(m) for m, _, _ in steps),
-        "simulated": statistics.mean(bubble_fraction(t) for _, t, _ in steps),
-        "replayed": statistics.mean(bubble_fraction(r) for _, _, r in steps),
-        "step_ratio": statistics.mean(extent(t) / extent(m) for m, t, _ in steps),
+        "measured": statistics.mean(bubble_fraction(m) for m, _ in pairs),
+        "simulated": statistics.mean(bubble_fraction(t) for _, t in pairs),
+        "drawn": statistics.mean(drawn),
+        "step_ratio": statistics.mean(extent(t) / extent(m) for m, t in pairs),
     }
 
 
@@ -252,14 +256,14 @@ def main() -> None:
         print(f"\n{ranks} ranks" + (" (oversubscribed: more ranks than cores)"
                                     if ranks > (os.cpu_count() or 1) else ""))
         print(f"{'variant':<26}{'step ms':>9}{'samples/s':>11}{'vs 1f1b':>9}{'vs peer':>9}"
-              f"{'bubble measured':>17}{'simulated':>11}{'twin step':>11}{'replayed':>10}")
+              f"{'bubble measured':>17}{'simulated':>11}{'twin step':>11}{'drawn':>8}")
         for name, row in rows.items():
             label = name if name.startswith("torch") else f"pipetrain-{name}"
             peer = rows.get(PEER.get(name, ""))
             versus = f"{peer['median'] / row['median']:>8.2f}x" if peer else f"{'-':>9}"
             bubble = (f"{row['measured']:>17.1%}{row['simulated']:>11.1%}"
-                      f"{row['step_ratio']:>10.2f}x{row['replayed']:>10.1%}"
-                      if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}{'-':>10}")
+                      f"{row['step_ratio']:>10.2f}x{row['drawn']:>8.1%}"
+                      if "measured" in row else f"{'-':>17}{'-':>11}{'-':>11}{'-':>8}")
             against = f"{base / row['median']:>8.2f}x" if base else f"{'-':>9}"
             print(f"{label:<26}{row['median'] * 1e3:>9.1f}{BATCH / row['median']:>11.0f}"
                   f"{against}{versus}{bubble}")

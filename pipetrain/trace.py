@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import random
 import socket
 import statistics
 import time
@@ -291,6 +292,21 @@ def measured_costs(
     return costs
 
 
+def drawn_costs(
+    spans: Sequence[Span], work: Mapping[int, Work], rng: random.Random
+) -> dict[Action, float]:
+    """A time for each compute and optimizer step in ``spans``, drawn with replacement from
+    the full-speed times (by ``work``, see :func:`full_speed`) that its stage measured for that
+    kind: the stage's spread, without knowing which action was the slow one."""
+    timed = [s for s in spans if s.action.kind in COMPUTE or s.action.kind is Kind.STEP]
+    measured: dict[tuple[Kind, int], list[float]] = {}
+    for s in timed:
+        measured.setdefault((s.action.kind, s.action.stage), []).append(
+            work[s.lane](s.start, s.end)
+        )
+    return {s.action: rng.choice(measured[s.action.kind, s.action.stage]) for s in timed}
+
+
 def runtime_overhead(spans: Sequence[Span], work: Work | None = None) -> float:
     """One rank's own time per action in one step: the part of its step that is neither
     compute, an optimizer step nor a receive (waiting for a message is the simulator's to
@@ -333,7 +349,7 @@ def step_overheads(traces: Sequence[RankTrace], step: int = -1) -> list[float]:
 
 
 def simulated_twin(
-    traces: Sequence[RankTrace], step: int = -1, per_action: bool = False
+    traces: Sequence[RankTrace], step: int = -1, rng: random.Random | None = None
 ) -> list[Span]:
     """The schedule simulated with what was measured in step ``step``: each stage's mean
     forward, backward, weight and optimizer-step times, each rank's runtime overhead per
@@ -342,9 +358,10 @@ def simulated_twin(
     step, ranks enter a few milliseconds apart). When ranks shared too few cores
     (:func:`shared_cores`), the costs are converted to full speed (:func:`full_speed`) and
     simulated on the cores each group shared. What differs from the measured step is what the
-    simulator's model of waiting gets wrong, plus (with stage means) the spread of the actions'
-    times: ``per_action`` replays each compute and optimizer step with its own measured time,
-    which leaves the waiting alone to differ."""
+    simulator's model of waiting gets wrong, and with stage means the spread of the actions'
+    times: a step follows its slow actions, which the means smooth away. With ``rng`` each
+    compute and optimizer step instead takes a time drawn from those its stage measured for
+    that kind in the step (:func:`drawn_costs`); average the bubble over several draws."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
     origin = min(s.start for s in spans)
@@ -353,10 +370,7 @@ def simulated_twin(
     cost = measured_costs(spans, schedule.stages, work)
     latency = message_latency(spans)
     overhead = step_overheads(traces, step)
-    timed = COMPUTE | {Kind.STEP}
-    durations = {
-        s.action: work[s.lane](s.start, s.end) for s in spans if s.action.kind in timed
-    } if per_action else None
+    durations = drawn_costs(spans, work, rng) if rng else None
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],

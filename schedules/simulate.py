@@ -14,7 +14,7 @@ the sender and one into the receiver, done by their transport threads alongside 
 shared cores the copies slow compute down and compute slows them. Ranks may enter the step at
 different times (``start``), as they leave a barrier or their previous step one by one. Single
 actions may take their own time (``durations``) instead of their stage's cost, as when a trace is
-replayed action by action.
+drawn from a stage's measured spread.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -158,8 +158,8 @@ def simulate(
 
     ``durations``: the time of single compute or step actions (full-speed seconds, like the
     costs), overriding their stage's cost; the others keep it. A measured step's actions vary
-    around their stage's mean (on shared cores by half of it), and the step follows its slow
-    ones: a replay with each action's own time separates that from the model of waiting.
+    around their stage's mean (on shared cores by a third to a half of it), and the step
+    follows its slow ones, which the mean hides; times drawn from that spread keep them.
 
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its

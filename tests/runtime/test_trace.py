@@ -4,6 +4,7 @@ each micro-batch's work runs in dependency order across stages."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from torch import nn
@@ -11,6 +12,7 @@ from torch import nn
 import pipetrain
 from pipetrain.trace import (
     RankTrace,
+    drawn_costs,
     full_speed,
     load_folder,
     message_latency,
@@ -18,6 +20,7 @@ from pipetrain.trace import (
     runtime_overhead,
     shared_cores,
     simulated_twin,
+    step_spans,
 )
 from schedules import Action, Kind, Span, build, simulate
 from tests.runtime.harness import run_ranks, values
@@ -158,28 +161,70 @@ def test_the_twin_of_a_simulated_step_is_that_step():
         assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
 
 
-def test_the_per_action_twin_replays_each_actions_own_time():
-    # a step whose actions vary around their stage's mean (here each micro-batch's forward and
-    # backward its own time), on shared cores: the per-action twin gives it back to the bit;
-    # the stage-mean twin, running every action at its mean, does not
+def _shared_core_step(durations: dict) -> list[RankTrace]:
+    """Rank traces of a simulated 4-rank 1F1B step on two shared cores (as the twin test)."""
     schedule = build("1f1b", 4, 4)
-    durations = {
-        a: (1.0 + 0.5 * a.microbatch) * (2.0 if a.kind is Kind.BACKWARD else 1.0)
-        for ops in schedule.actions.values() for a in ops if a.kind in (Kind.FORWARD, Kind.BACKWARD)
-    }
     step = simulate(
         schedule, 1.0, 2.0, transfer=0.25, cores={(0, 2): 1, (1, 3): 1},
         start=[0.3, 0.0, 0.1, 0.2], durations=durations,
     ).timeline
-    traces = [
+    return [
         RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
         for r in range(4)
     ]
-    replay = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0, per_action=True)}
-    for s in step:
-        assert replay[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
-    means = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
-    assert any(means[s.action] != pytest.approx((s.start, s.end), abs=1e-6) for s in step)
+
+
+def _computes(schedule):
+    return [
+        a for ops in schedule.actions.values() for a in ops
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD)
+    ]
+
+
+def test_drawn_costs_come_from_the_stages_own_measured_times():
+    # each micro-batch's forward and backward its own time, on shared cores: every draw is one
+    # of the times that stage measured for that kind (converted back to full speed), and over
+    # many draws each of them turns up
+    times = {
+        a: (1.0 + 0.5 * a.microbatch) * (2.0 if a.kind is Kind.BACKWARD else 1.0)
+        for a in _computes(build("1f1b", 4, 4))
+    }
+    traces = _shared_core_step(times)
+    spans = step_spans(traces, 0)
+    work = full_speed(spans, shared_cores(traces))
+    rng, seen = random.Random(0), {}
+    for _ in range(200):
+        for a, t in drawn_costs(spans, work, rng).items():
+            seen.setdefault((a.kind, a.stage), set()).add(round(t, 9))
+    for (kind, stage), drawn in seen.items():
+        if kind is Kind.STEP:
+            continue
+        own = {round(t, 9) for a, t in times.items() if (a.kind, a.stage) == (kind, stage)}
+        assert drawn == own, (kind, stage)
+
+
+def test_a_twin_with_drawn_times_sees_the_slow_actions_that_means_hide():
+    # uniform actions: drawing changes nothing. Spread actions (one slow micro-batch per
+    # stage): the stage means give a shorter step than times drawn from the spread (by 15%
+    # over these 50 draws), as the slow actions that the means smooth away hold the step up
+    uniform = _shared_core_step({})
+    drawn = simulated_twin(uniform, 0, random.Random(1))
+    means = {s.action: (s.start, s.end) for s in simulated_twin(uniform, 0)}
+    for s in drawn:
+        assert means[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
+
+    spread = _shared_core_step({
+        a: (1.75 if a.microbatch == a.stage else 0.25) * (2.0 if a.kind is Kind.BACKWARD else 1.0)
+        for a in _computes(build("1f1b", 4, 4))
+    })
+    rng = random.Random(2)
+
+    def length(spans):
+        return max(s.end for s in spans) - min(s.start for s in spans)
+
+    mean_step = length(simulated_twin(spread, 0))
+    drawn_steps = [length(simulated_twin(spread, 0, rng)) for _ in range(50)]
+    assert sum(drawn_steps) / len(drawn_steps) > 1.1 * mean_step
 
 
 @pytest.mark.parametrize("world", [2, 4])
