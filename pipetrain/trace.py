@@ -370,7 +370,7 @@ def simulated_twin(
     cost = measured_costs(spans, schedule.stages, work)
     latency = message_latency(spans)
     overhead = step_overheads(traces, step)
-    durations = drawn_costs(spans, work, rng) if rng else None
+    durations = drawn_costs(spans, work, rng) if rng is not None else None
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],

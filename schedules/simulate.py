@@ -13,8 +13,8 @@ message may also cost processor time (``copy``): on one host a message is a memo
 the sender and one into the receiver, done by their transport threads alongside compute, so on
 shared cores the copies slow compute down and compute slows them. Ranks may enter the step at
 different times (``start``), as they leave a barrier or their previous step one by one. Single
-actions may take their own time (``durations``) instead of their stage's cost, as when a trace is
-drawn from a stage's measured spread.
+actions may take their own time (``durations``) instead of their stage's cost, as when a traced
+step's action times are drawn from each stage's measured spread.
 
 Memory is counted in micro-batches per rank (a micro-batch on a stage counts once; with several
 stages on a rank, each counts separately). A forward stores a micro-batch's activations. Without
@@ -108,8 +108,9 @@ def _compute_costs(
     return {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT: wgt, Kind.STEP: step}
 
 
-# how each compute changes (micro-batches held, micro-batches holding everything)
 _TIMED = COMPUTE | {Kind.STEP}  # the actions that take a cost
+
+# how each compute changes (micro-batches held, micro-batches holding everything)
 _MEMORY_SPLIT = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (0, -1), Kind.WEIGHT: (-1, 0)}
 _MEMORY_WHOLE = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (-1, -1)}
 
