@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
-from schedules.action import COMPUTE, RECVS, SENDS
+from schedules.action import COMPUTE, RECVS, SENDS, TIMED
 from schedules.simulate import Cores
 
 FORMAT = "pipetrain-trace"
@@ -298,7 +298,7 @@ def drawn_costs(
     """A time for each compute and optimizer step in ``spans``, drawn with replacement from
     the full-speed times (by ``work``, see :func:`full_speed`) that its stage measured for that
     kind: the stage's spread, without knowing which action was the slow one."""
-    timed = [s for s in spans if s.action.kind in COMPUTE or s.action.kind is Kind.STEP]
+    timed = [s for s in spans if s.action.kind in TIMED]
     measured: dict[tuple[Kind, int], list[float]] = {}
     for s in timed:
         measured.setdefault((s.action.kind, s.action.stage), []).append(

@@ -44,6 +44,7 @@ class Kind(str, Enum):
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
+TIMED = COMPUTE | {Kind.STEP}  # the actions that take a cost of their own
 
 
 def check_sizes(stages: int, microbatches: int) -> None:

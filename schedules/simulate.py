@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from schedules.action import COMPUTE, Action, Kind, Schedule
+from schedules.action import TIMED, Action, Kind, Schedule
 from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
@@ -107,8 +107,6 @@ def _compute_costs(
         bwd = [b + w for b, w in zip(bwd, wgt, strict=True)]
     return {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT: wgt, Kind.STEP: step}
 
-
-_TIMED = COMPUTE | {Kind.STEP}  # the actions that take a cost
 
 # how each compute changes (micro-batches held, micro-batches holding everything)
 _MEMORY_SPLIT = {Kind.FORWARD: (1, 1), Kind.BACKWARD: (0, -1), Kind.WEIGHT: (-1, 0)}
@@ -223,7 +221,7 @@ class _Pool:
 
 def _durations(schedule: Schedule, durations: Mapping[Action, float]) -> dict[Action, float]:
     """``durations`` checked against the schedule: its timed actions, none negative."""
-    timed = {a for ops in schedule.actions.values() for a in ops if a.kind in _TIMED}
+    timed = {a for ops in schedule.actions.values() for a in ops if a.kind in TIMED}
     for a, seconds in durations.items():
         if a not in timed:
             raise ValueError(
