@@ -418,8 +418,7 @@ def _profile(opts: dict, warmup: int, repeats: int, busy: int):
 
 def _predictions(profile, balance: list[int], opts: dict, res: dict) -> tuple[float, float]:
     """(the predicted step of this split with a device per stage, the same on this host)."""
-    from partitioner import Host
-    from pipetrain.cli import simulate_split
+    from partitioner import Host, simulate_split
 
     m, bandwidth = opts["microbatches"], res["bandwidth"]
     alone, here = (
@@ -430,8 +429,8 @@ def _predictions(profile, balance: list[int], opts: dict, res: dict) -> tuple[fl
 
 
 def _pipedream_tables(args: argparse.Namespace) -> str:
-    from partitioner import load_pipedream, plan
-    from pipetrain.cli import describe_plan, simulate_split
+    from partitioner import load_pipedream, plan, simulate_split
+    from pipetrain.cli import describe_plan
 
     out = []
     for name, batch in (("vgg16", None), ("gnmt", 64)):
@@ -455,7 +454,7 @@ def _pipedream_tables(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipetrain.cli import stage_costs
+    from partitioner import stage_costs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="2,4", help="stage counts to run (default 2,4)")

@@ -9,7 +9,7 @@ from partitioner.dp import Split, balance, smallest_cap, solve
 from partitioner.errors import InfeasibleError, PlanFileError, PlanMismatchError, ProfileError
 from partitioner.ilp import solve_ilp
 from partitioner.pipedream import load_pipedream, parse_graph
-from partitioner.planner import plan, predict
+from partitioner.planner import cut_layers, plan, predict, simulate_split, stage_costs
 from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Boundary, LayerCost, Profile
 from partitioner.topology import chain, chain_order, cluster
@@ -32,6 +32,7 @@ __all__ = [
     "chain",
     "chain_order",
     "cluster",
+    "cut_layers",
     "format_bytes",
     "inflight",
     "load_pipedream",
@@ -42,7 +43,9 @@ __all__ = [
     "plan",
     "predict",
     "problem_from_profile",
+    "simulate_split",
     "smallest_cap",
     "solve",
     "solve_ilp",
+    "stage_costs",
 ]

@@ -1,4 +1,5 @@
-"""``plan()``: from a profile and a cluster to a Plan, with the step it predicts."""
+"""``plan()``: from a profile and a cluster to a Plan, with the step it predicts; and the costs
+and prediction of a split chosen by hand (:func:`stage_costs`, :func:`simulate_split`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from partitioner.costs import problem_from_profile
+from partitioner.costs import StageCost, evaluate, problem_from_profile
 from partitioner.dp import Split, solve
 from partitioner.ilp import solve_ilp
 from partitioner.plans import Host, Plan, StagePlan
@@ -186,4 +187,72 @@ def _make_plan(
         device=profile.device,
         solver="ilp" if by_ilp else "dp",
         host=host,
+    )
+
+
+def cut_layers(balance: Sequence[int]) -> list[int]:
+    """The layers after which a split with ``balance`` cuts."""
+    return [sum(balance[: t + 1]) - 1 for t in range(len(balance) - 1)]
+
+
+def stage_costs(
+    profile: Profile,
+    balance: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    microbatch_size: int | None = None,
+    checkpoint: str = "never",
+    bandwidth: float | str | None = None,
+) -> list[StageCost]:
+    """What the planner's cost model says each stage of the split ``balance`` costs per
+    micro-batch (a split chosen by hand, e.g. a uniform one, to compare with a plan)."""
+    balance = list(balance)
+    if not balance or any(b < 1 for b in balance) or sum(balance) != len(profile.layers):
+        raise ValueError(
+            f"balance {balance} must give every stage at least one layer and cover the "
+            f"profile's {len(profile.layers)} layers"
+        )
+    problem = problem_from_profile(
+        profile,
+        stages=len(balance),
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        bandwidth=math.inf if bandwidth is None else parse_bandwidth(bandwidth),
+    )
+    return evaluate(problem, [0, *(c + 1 for c in cut_layers(balance)), len(profile.layers)])
+
+
+def simulate_split(
+    profile: Profile,
+    balance: Sequence[int],
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    microbatch_size: int | None = None,
+    checkpoint: str = "never",
+    bandwidth: float | str | None = None,
+    host: Host | None = None,
+) -> Simulation:
+    """The planner's prediction of a split (:func:`partitioner.predict` on
+    :func:`stage_costs`), e.g. of a uniform one to compare with a plan."""
+    costs = stage_costs(
+        profile,
+        balance,
+        microbatches=microbatches,
+        schedule=schedule,
+        microbatch_size=microbatch_size,
+        checkpoint=checkpoint,
+        bandwidth=bandwidth,
+    )
+    return predict(
+        schedule,
+        microbatches,
+        [s.forward for s in costs],
+        [s.backward for s in costs],
+        [s.message for s in costs[:-1]],
+        [0.0] * len(costs),
+        host,
     )

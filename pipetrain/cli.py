@@ -19,10 +19,10 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,13 @@ from partitioner import (
     InfeasibleError,
     Plan,
     Profile,
+    cut_layers,
     format_bytes,
     load_pipedream,
     parse_bytes,
     predict,
+    stage_costs,
 )
-from partitioner.costs import StageCost, evaluate, problem_from_profile
-from partitioner.units import parse_bandwidth
 from schedules import GENERATORS, Simulation
 
 PROG = "pipetrain"
@@ -140,74 +140,6 @@ def _save(text: str, path: str) -> None:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
-
-
-def _cuts(balance: Sequence[int]) -> list[int]:
-    """The layers after which a split with ``balance`` cuts."""
-    return [sum(balance[: t + 1]) - 1 for t in range(len(balance) - 1)]
-
-
-def stage_costs(
-    profile: Profile,
-    balance: Sequence[int],
-    *,
-    microbatches: int,
-    schedule: str = "1f1b",
-    microbatch_size: int | None = None,
-    checkpoint: str = "never",
-    bandwidth: float | str | None = None,
-) -> list[StageCost]:
-    """What the planner's cost model says each stage of the split ``balance`` costs per
-    micro-batch (a split chosen by hand, e.g. a uniform one, to compare with a plan)."""
-    balance = list(balance)
-    if not balance or any(b < 1 for b in balance) or sum(balance) != len(profile.layers):
-        raise UsageError(
-            f"balance {balance} must give every stage at least one layer and cover the "
-            f"profile's {len(profile.layers)} layers"
-        )
-    problem = problem_from_profile(
-        profile,
-        stages=len(balance),
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        schedule=schedule,
-        checkpoint=checkpoint,
-        bandwidth=math.inf if bandwidth is None else parse_bandwidth(bandwidth),
-    )
-    return evaluate(problem, [0, *(c + 1 for c in _cuts(balance)), len(profile.layers)])
-
-
-def simulate_split(
-    profile: Profile,
-    balance: Sequence[int],
-    *,
-    microbatches: int,
-    schedule: str = "1f1b",
-    microbatch_size: int | None = None,
-    checkpoint: str = "never",
-    bandwidth: float | str | None = None,
-    host: Host | None = None,
-) -> Simulation:
-    """The planner's prediction of a split (:func:`partitioner.predict` on
-    :func:`stage_costs`), e.g. of a uniform one to compare with a plan."""
-    costs = stage_costs(
-        profile,
-        balance,
-        microbatches=microbatches,
-        schedule=schedule,
-        microbatch_size=microbatch_size,
-        checkpoint=checkpoint,
-        bandwidth=bandwidth,
-    )
-    return predict(
-        schedule,
-        microbatches,
-        [s.forward for s in costs],
-        [s.backward for s in costs],
-        [s.message for s in costs[:-1]],
-        [0.0] * len(costs),
-        host,
-    )
 
 
 # -- profile ------------------------------------------------------------------------------------
@@ -342,103 +274,145 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -- simulate -----------------------------------------------------------------------------------
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    source = args.source
-    is_plan = (
+@dataclass(frozen=True)
+class _StageCosts:
+    """What ``simulate`` times: per-stage costs from a plan, or from a profile split by hand."""
+
+    schedule: str
+    microbatches: int
+    size: int | None
+    balance: list[int]
+    forward: list[float]
+    backward: list[float]
+    transfer: list[float]
+    allreduce: list[float]
+    memory: list[int] | None
+    host: Host
+    note: str = ""
+
+
+def _is_plan(source: str) -> bool:
+    return (
         not source.startswith(PIPEDREAM_PREFIX)
         and Path(source).is_file()
         and _format_of(Path(source)) == "pipetrain-plan"
     )
-    note = ""
-    if is_plan:
-        plan = Plan.load(source)
-        if args.balance is not None:
-            raise UsageError("--balance is for a profile; a plan has its own balance")
-        schedule = args.schedule or plan.schedule
-        microbatches = args.microbatches or plan.microbatches
-        size: int | None = plan.microbatch_size
-        balance = plan.balance
-        forward = [s.forward_time for s in plan.per_stage]
-        backward = [s.backward_time for s in plan.per_stage]
-        transfer = [s.transfer_time for s in plan.per_stage[:-1]]
-        allreduce = [s.allreduce_time for s in plan.per_stage]
-        memory: list[int] | None = None
-        host = _host(args, plan.host)
-    else:
-        profile = _load_profile(source, args.batch_size)
-        if args.balance is None:
-            raise UsageError("simulating a profile needs --balance (layers per stage, e.g. 3,5)")
-        balance = _ints(args.balance, "--balance")
-        if args.microbatches is None:
-            raise UsageError("simulating a profile needs --microbatches")
-        schedule = args.schedule or "1f1b"
-        microbatches = args.microbatches
-        size = args.microbatch_size or profile.batch_size
-        costs = stage_costs(
-            profile,
-            balance,
-            microbatches=microbatches,
-            schedule=schedule,
-            microbatch_size=size,
-            checkpoint=args.checkpoint,
-            bandwidth=args.bandwidth,
-        )
-        forward = [s.forward for s in costs]
-        backward = [s.backward for s in costs]
-        transfer = [s.message for s in costs[:-1]]
-        allreduce = [0.0] * len(costs)
-        memory = [s.memory for s in costs]
-        host = _host(args)
-        refused = [c for c in _cuts(balance) if not profile.cut_allowed(c)]
-        if refused:
-            note = (
-                f"note: the profile does not allow a cut after layer(s) {refused} (too many "
-                "tensors cross there); the planner would not choose this split"
-            )
-    try:
-        result = predict(schedule, microbatches, forward, backward, transfer, allreduce, host)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    print(
-        f"{schedule}, {len(balance)} stages, balance {balance}, {microbatches} micro-batches"
-        + (f" of {size} samples" if size else "")
+
+
+def _plan_costs(args: argparse.Namespace) -> _StageCosts:
+    """A plan's own split, schedule and micro-batches, overridable from the command line."""
+    plan = Plan.load(args.source)
+    if args.balance is not None:
+        raise UsageError("--balance is for a profile; a plan has its own balance")
+    return _StageCosts(
+        schedule=args.schedule or plan.schedule,
+        microbatches=args.microbatches or plan.microbatches,
+        size=plan.microbatch_size,
+        balance=plan.balance,
+        forward=[s.forward_time for s in plan.per_stage],
+        backward=[s.backward_time for s in plan.per_stage],
+        transfer=[s.transfer_time for s in plan.per_stage[:-1]],
+        allreduce=[s.allreduce_time for s in plan.per_stage],
+        memory=None,
+        host=_host(args, plan.host),
     )
+
+
+def _profile_costs(args: argparse.Namespace) -> _StageCosts:
+    """A profile split by --balance, costed by the planner's model."""
+    profile = _load_profile(args.source, args.batch_size)
+    if args.balance is None:
+        raise UsageError("simulating a profile needs --balance (layers per stage, e.g. 3,5)")
+    balance = _ints(args.balance, "--balance")
+    if args.microbatches is None:
+        raise UsageError("simulating a profile needs --microbatches")
+    schedule = args.schedule or "1f1b"
+    size = args.microbatch_size or profile.batch_size
+    costs = stage_costs(
+        profile,
+        balance,
+        microbatches=args.microbatches,
+        schedule=schedule,
+        microbatch_size=size,
+        checkpoint=args.checkpoint,
+        bandwidth=args.bandwidth,
+    )
+    refused = [c for c in cut_layers(balance) if not profile.cut_allowed(c)]
+    note = (
+        f"note: the profile does not allow a cut after layer(s) {refused} (too many "
+        "tensors cross there); the planner would not choose this split"
+        if refused
+        else ""
+    )
+    return _StageCosts(
+        schedule=schedule,
+        microbatches=args.microbatches,
+        size=size,
+        balance=balance,
+        forward=[s.forward for s in costs],
+        backward=[s.backward for s in costs],
+        transfer=[s.message for s in costs[:-1]],
+        allreduce=[0.0] * len(costs),
+        memory=[s.memory for s in costs],
+        host=_host(args),
+        note=note,
+    )
+
+
+def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
+    """One row per stage, then the predicted step."""
     header = (
         f"{'stage':>5} {'layers':>11} {'forward ms':>10} {'backward ms':>11} {'send ms':>8} "
         f"{'busy ms':>9} {'bubble':>7} {'peak in-flight':>14}"
     )
-    if memory is not None:
+    if c.memory is not None:
         header += f" {'memory GiB':>10}"
     rows = [header]
     start = 0
-    for t, count in enumerate(balance):
+    for t, count in enumerate(c.balance):
         row = (
-            f"{t:>5} {start:>5}-{start + count - 1:<5} {_ms(forward[t]):>10} "
-            f"{_ms(backward[t]):>11} {_ms(transfer[t]) if t < len(transfer) else '-':>8} "
+            f"{t:>5} {start:>5}-{start + count - 1:<5} {_ms(c.forward[t]):>10} "
+            f"{_ms(c.backward[t]):>11} {_ms(c.transfer[t]) if t < len(c.transfer) else '-':>8} "
             f"{_ms(result.busy[t]):>9} {result.stage_bubble(t):>7.1%} "
             f"{result.peak_inflight[t]:>14}"
         )
-        if memory is not None:
-            row += f" {memory[t] / 2**30:>10.3f}"
+        if c.memory is not None:
+            row += f" {c.memory[t] / 2**30:>10.3f}"
         rows.append(row)
         start += count
     rows.append(
         f"predicted step time {_ms(result.step_time)} ms, bubble fraction "
         f"{result.bubble_fraction:.1%}"
         + (
-            f", {microbatches * size / result.step_time:,.1f} samples/s"
-            if size and result.step_time > 0
+            f", {c.microbatches * c.size / result.step_time:,.1f} samples/s"
+            if c.size and result.step_time > 0
             else ""
         )
-        + host.describe()
+        + c.host.describe()
     )
     rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
-    if note:
-        rows.append(note)
+    if c.note:
+        rows.append(c.note)
+    return rows
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    c = _plan_costs(args) if _is_plan(args.source) else _profile_costs(args)
+    try:
+        result = predict(
+            c.schedule, c.microbatches, c.forward, c.backward, c.transfer, c.allreduce, c.host
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(
+        f"{c.schedule}, {len(c.balance)} stages, balance {c.balance}, {c.microbatches} "
+        "micro-batches" + (f" of {c.size} samples" if c.size else "")
+    )
+    rows = _simulation_table(c, result)
     if args.png:
         from pipetrain.gantt import draw
 
-        picture = draw([(f"simulated {schedule}", result.timeline)], args.png)
+        picture = draw([(f"simulated {c.schedule}", result.timeline)], args.png)
         rows.append(f"timeline picture: {picture}")
     print("\n".join(rows))
     return 0

@@ -5,8 +5,9 @@ names. A hand-off between two stages of the same rank is no message: the executo
 tensors over in memory exactly as a receive would deliver them (detached, the same gradient
 flags), without copying them.
 
-Each action kind is one small method; a compute method returns the sends its result feeds, and
-the loop posts them. Overlap lives here and only here: a send is posted the moment the compute
+Each action kind is one small method, found through the table ``HANDLERS`` (checked complete
+against ``Kind`` at import); a compute method returns the sends its result feeds, and the loop
+posts them. Overlap lives here and only here: a send is posted the moment the compute
 that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
 soon as their shapes are known. Every wait has a timeout and, on failure, names the peer, the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +50,23 @@ from schedules.action import COMPUTE, RECVS
 Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
 HEADER_META = (TensorMeta((HEADER_LEN,), torch.int64, False),)
 RECV_LOOKAHEAD = 2  # receives posted ahead of the one being waited on
+
+
+@dataclass
+class Carry:
+    """What outlives one call of a rank's list: the same object is handed to every call."""
+
+    shapes_in: dict[int, BoundaryMeta] = field(default_factory=dict)
+    """Per stage, the boundary shapes it received in the last call (its first payload's
+    receive is posted with them, before the header arrives)."""
+    shapes_out: dict[int, BoundaryMeta] = field(default_factory=dict)
+    """Per stage, the boundary shapes it sent in the last call (when they change, a stand-in
+    of these fills the receiver's early receive)."""
+    in_flight: dict[tuple[int, int], BoundaryMeta] = field(default_factory=dict)
+    """Asynchronous schedules: (stage, global micro-batch) -> the shapes its forward sent, for
+    the receive of the gradient that comes back in a later call."""
+    sends: list[tuple[Action, Handle]] = field(default_factory=list)
+    """Asynchronous schedules: the last call's sends, which the peer receives in its next call."""
 
 
 def _peer(action: Action) -> int:
@@ -79,18 +98,16 @@ class Executor:
         training: bool = True,
         recorder: Recorder | None = None,
         base: int = 0,
-        carry: dict | None = None,
+        carry: Carry | None = None,
         losses_done: Callable[[], None] | None = None,
     ):
         """``base`` serves asynchronous schedules, whose micro-batches outlive a call: the
         stages know micro-batch i of this list as ``base + i`` (a global number). ``carry`` (the
-        same dict on every call of this rank) keeps what outlives a call: the shapes each
-        boundary had in the last call and, for asynchronous schedules, the boundary shapes of
-        the micro-batches still in flight and the sends a peer receives only in its next call.
+        same :class:`Carry` on every call of this rank) keeps what outlives a call.
         ``losses_done`` is called the moment the last stage's last forward of the list ends:
         every loss of the mini-batch is known then, before the backwards that follow."""
         self.stages = {stage.index: stage for stage in stages}
-        self.base, self.carry = base, carry if carry is not None else {}
+        self.base, self.carry = base, carry if carry is not None else Carry()
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.training, self.recorder = timeout, training, recorder
@@ -137,7 +154,7 @@ class Executor:
                     for sync in self.stages[self._arm_at[position]].syncs:
                         sync.arm()
                 start = time.perf_counter()
-                outgoing = getattr(self, "_do_" + action.kind.name.lower())(action)
+                outgoing = HANDLERS[action.kind](self, action)
                 end = time.perf_counter()
                 if action.kind in COMPUTE:
                     self.compute_time += end - start
@@ -171,7 +188,7 @@ class Executor:
     def _metas(self, action: Action) -> tuple[TensorMeta, ...] | None:
         """Shapes of what ``action`` receives, or None while they are still unknown."""
         if action.kind is Kind.RECV_GRAD and self.schedule.asynchronous:
-            known = self.carry.get((action.stage, self.base + action.microbatch))
+            known = self.carry.in_flight.get((action.stage, self.base + action.microbatch))
             return None if known is None else known.grad_metas
         if action.kind is Kind.RECV_GRAD:
             out = self._out_meta.get(action.stage)
@@ -192,7 +209,7 @@ class Executor:
             header = metas is HEADER_META
             peer, number = self.schedule.rank_of(_peer(action)), self._tag(action, header)
             self._posted[action] = self.transport.recv(metas, peer, number)
-            last = self.carry.get(("shapes in", action.stage)) if header else None
+            last = self.carry.shapes_in.get(action.stage) if header else None
             if last is not None:
                 self._guessed[action] = self.transport.recv(last.tensors, peer, self._tag(action))
             self._next_recv += 1
@@ -231,8 +248,8 @@ class Executor:
         tensors = self._wait(action, handle)
         if action.kind is Kind.RECV_ACT and action.microbatch == 0:
             meta = self._in_meta[action.stage] = decode(tensors[0])
-            last = self.carry.get(("shapes in", action.stage))
-            self.carry["shapes in", action.stage] = meta
+            last = self.carry.shapes_in.get(action.stage)
+            self.carry.shapes_in[action.stage] = meta
             guessed = self._guessed.pop(action, None)
             if guessed is not None:
                 tensors = self._wait(action, guessed)  # the payload, or the stand-in
@@ -285,8 +302,8 @@ class Executor:
         if known is None:
             self._out_meta[action.stage] = meta
             outgoing.append((send, [encode(meta)], True))
-            last = self.carry.get(("shapes out", action.stage))
-            self.carry["shapes out", action.stage] = meta
+            last = self.carry.shapes_out.get(action.stage)
+            self.carry.shapes_out[action.stage] = meta
             if last not in (None, meta) and not self.schedule.local(action.stage, _peer(send)):
                 outgoing.append((send, empty_like_meta(last.tensors, self.transport.device), False))
         elif meta != known:
@@ -297,7 +314,7 @@ class Executor:
                 "mini-batches)"
             )
         if self.schedule.asynchronous and self.training:
-            self.carry[action.stage, key] = meta
+            self.carry.in_flight[action.stage, key] = meta
         outgoing.append((send, [t.detach() for t in tensors], False))
         return outgoing
 
@@ -307,7 +324,7 @@ class Executor:
         if not stage.is_last:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
         input_grads = stage.backward(self.base + i, grads)
-        self.carry.pop((action.stage, self.base + i), None)
+        self.carry.in_flight.pop((action.stage, self.base + i), None)
         if stage.is_first:
             return []
         return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
@@ -341,21 +358,20 @@ class Executor:
         handle = self.transport.send(tensors, rank, self._tag(action, header))
         self._sends.append((action, handle))
 
-    def _do_send_act(self, action: Action) -> None:
-        """Already posted when the forward ended (see the module docstring)."""
-
-    _do_send_grad = _do_send_act
+    def _do_send(self, action: Action) -> None:
+        """Already posted when the compute that made its tensors ended (see the module
+        docstring)."""
 
     def _carry_sends(self) -> None:
         """Asynchronous lists: a send may be received in the peer's NEXT call (a backward of
         this call's last micro-batches), so this call waits only for the sends of the previous
         one, which the peer has received by now, and carries its own. A flush (no forwards)
         waits for everything: its peer receives all of it in the flush."""
-        previous = self.carry.pop("sends", [])
+        previous, self.carry.sends = self.carry.sends, []
         mine, self._sends = self._sends, previous
         self._finish_sends()
         if any(a.kind is Kind.FORWARD for a in self.actions):
-            self.carry["sends"] = mine
+            self.carry.sends = mine
         else:
             self._sends = mine
             self._finish_sends()
@@ -364,3 +380,19 @@ class Executor:
         for action, handle in self._sends:
             self._wait(action, handle)
         self._sends.clear()
+
+
+Handler = Callable[[Executor, Action], "list[Outgoing] | None"]
+HANDLERS: dict[Kind, Handler] = {
+    Kind.FORWARD: Executor._do_forward,
+    Kind.BACKWARD: Executor._do_backward,
+    Kind.WEIGHT: Executor._do_weight,
+    Kind.STEP: Executor._do_step,
+    Kind.RECV_ACT: Executor._do_recv_act,
+    Kind.RECV_GRAD: Executor._do_recv_grad,
+    Kind.SEND_ACT: Executor._do_send,
+    Kind.SEND_GRAD: Executor._do_send,
+}
+"""The method that runs each kind of action."""
+if set(HANDLERS) != set(Kind):  # a new Kind needs its handler here
+    raise ImportError(f"pipetrain.executor has no handler for {sorted(set(Kind) - set(HANDLERS))}")

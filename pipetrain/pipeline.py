@@ -27,7 +27,7 @@ from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
-from pipetrain.executor import Executor
+from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
 from pipetrain.progress import Progress, logger, peak_memory
@@ -272,7 +272,7 @@ class Pipeline:
                 )
                 if schedule == "pipedream":
                     stage.loss_divisor = 1  # every micro-batch is an update of its own
-        self._carry: list[dict] = [{} for _ in self.transports]
+        self._carry = [Carry() for _ in self.transports]
         self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
         self._recorders = (
             self._start_tracing() if self._trace_dir else [None] * len(self.transports)

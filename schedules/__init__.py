@@ -10,6 +10,7 @@ from schedules.asynchronous import (
     pipedream_2bw,
     unroll,
 )
+from schedules.errors import ScheduleError
 from schedules.generators import (
     GENERATORS,
     build,
@@ -21,7 +22,7 @@ from schedules.generators import (
 )
 from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
-from schedules.validate import ScheduleError, validate
+from schedules.validate import validate
 
 __all__ = [
     "GENERATORS",

@@ -30,6 +30,8 @@ flight each update once) and ``min(1, p - 1 - s)`` for 2BW (one update in betwee
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from schedules.action import Action, Kind, Schedule, check_sizes
 
 
@@ -84,10 +86,7 @@ def pipedream_2bw(stages: int, microbatches: int) -> Schedule:
 
 def _keep(schedule: Schedule, keep) -> Schedule:  # type: ignore[no-untyped-def]
     actions = {r: tuple(a for a in ops if keep(a)) for r, ops in schedule.actions.items()}
-    return Schedule(
-        schedule.name, schedule.stages, schedule.microbatches, actions, schedule.placement,
-        schedule.lag, schedule.update_every,
-    )
+    return replace(schedule, actions=actions)
 
 
 def for_call(schedule: Schedule, call: int) -> Schedule:
@@ -109,10 +108,7 @@ def drain(schedule: Schedule, calls: int) -> Schedule:
         for k in range(-(-schedule.stages // m) + 1):
             kept += [a for a in _shift(ops, k * m) if a.microbatch < 0 <= a.microbatch + start]
         actions[r] = tuple(kept)
-    return Schedule(
-        schedule.name, schedule.stages, m, actions, schedule.placement, schedule.lag,
-        schedule.update_every,
-    )
+    return replace(schedule, actions=actions)
 
 
 def _shift(ops: tuple[Action, ...], by: int) -> list[Action]:
@@ -131,9 +127,13 @@ def unroll(schedule: Schedule, calls: int, flush: bool = True) -> Schedule:
     if flush:
         for r, ops in drain(schedule, calls).actions.items():
             actions[r] += _shift(ops, calls * m)
-    return Schedule(
-        f"{schedule.name} x{calls}" + (" + flush" if flush else ""), schedule.stages,
-        calls * m, {r: tuple(ops) for r, ops in actions.items()}, schedule.placement,
+    return replace(
+        schedule,
+        name=f"{schedule.name} x{calls}" + (" + flush" if flush else ""),
+        microbatches=calls * m,
+        actions={r: tuple(ops) for r, ops in actions.items()},
+        lag=(),
+        update_every=0,
     )
 
 
@@ -174,55 +174,3 @@ def peak_versions(unrolled: Schedule, update_every: int) -> dict[int, int]:
                 flight.pop(a.microbatch)
         peaks[r] = peak
     return peaks
-
-
-def validate_async(schedule: Schedule, calls: int = 3) -> None:
-    """Raise ScheduleError unless ``calls`` consecutive train_steps and the flush, concatenated,
-    form a complete, dependency-ordered, deadlock-free run whose updates follow the right
-    backwards, and unless the measured steady-state lag of every stage is ``schedule.lag``."""
-    from schedules.validate import (
-        ScheduleError,
-        _expected,
-        _order_rules,
-        check_deadlock_free,
-    )
-
-    if not schedule.one_stage_per_rank:
-        raise ScheduleError(f"asynchronous schedule {schedule.name!r} needs one stage per rank")
-    m, every = schedule.microbatches, schedule.update_every
-    calls = max(calls, schedule.stages // m + 2)  # reach the steady state
-    u = unroll(schedule, calls)
-    for s in range(u.stages):
-        ops = list(u.actions[s])
-        if wrong := [a for a in ops if a.stage != s]:
-            raise ScheduleError(f"stage {s} lists actions of another stage: {wrong[0]}")
-        if len(set(ops)) != len(ops):
-            twice = next(a for a in ops if ops.count(a) > 1)
-            raise ScheduleError(f"stage {s} lists {twice} twice")
-        expected = _expected(u, s, False) | {
-            Action(Kind.STEP, s, g) for g in range(u.microbatches) if (g + 1) % every == 0
-        }
-        if missing := expected - set(ops):
-            first = min(missing, key=lambda a: (a.microbatch, a.kind.value))
-            raise ScheduleError(f"stage {s} never does {first} in {u.name}")
-        if extra := set(ops) - expected:
-            raise ScheduleError(f"stage {s} lists {min(extra, key=str)}, which has no place")
-        position = {a: i for i, a in enumerate(ops)}
-        for g in range(u.microbatches):
-            for a, b in _order_rules(u, s, g):
-                if a in position and b in position and position[a] > position[b]:
-                    raise ScheduleError(f"stage {s} does {b} before {a} in {u.name}")
-            step = Action(Kind.STEP, s, g)
-            if step in position:
-                at, after = position[step], position[Action(Kind.BACKWARD, s, g)]
-                between = [a for a in ops[after + 1 : at] if a.kind is not Kind.SEND_GRAD]
-                if at < after or between:
-                    raise ScheduleError(f"stage {s}: {step} must follow B{g} (and its send)")
-    check_deadlock_free(u)
-    measured = measure_lag(u, every)
-    for s, lags in measured.items():
-        if max(lags.values(), default=0) != schedule.lag[s]:
-            raise ScheduleError(
-                f"stage {s} of {schedule.name!r} declares lag {schedule.lag[s]} but its "
-                f"micro-batches see up to {max(lags.values(), default=0)} updates in between"
-            )

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from schedules.action import TIMED, Action, Kind, Schedule
+from schedules.action import RECVS, SENDS, TIMED, Action, Kind, Schedule
 from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
@@ -297,7 +297,7 @@ class _Run:
         self.sends: dict[Action, list[tuple[Action, float, float]]] = {}
         for ops in schedule.actions.values():
             for a in ops:
-                if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                if a.kind in SENDS:
                     source = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
                     boundary = min(a.stage, a.peer or 0)
                     self.sends.setdefault(Action(source, a.stage, a.microbatch), []).append(
@@ -361,12 +361,12 @@ class _Run:
         ops = self.schedule.actions[r]
         while self.cursor[r] < len(ops):
             a = ops[self.cursor[r]]
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            if a.kind in RECVS:
                 if self.arrival.get(a, math.inf) > self.now:
                     self.waiting[a] = r
                     return
                 self._span(a, self.free_since[r], r)
-            elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            elif a.kind in SENDS:
                 pass  # posted when its compute ended (see _done), as the runtime does
             elif self._run(r, self._cost(a), overhead=False):
                 return

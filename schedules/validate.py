@@ -14,11 +14,11 @@ Messages name ranks as "stage N" when every rank runs one stage (the common case
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from schedules.action import RECVS, SENDS, Action, Kind, Schedule
-
-
-class ScheduleError(ValueError):
-    """A schedule that is incomplete, out of order or would deadlock."""
+from schedules.asynchronous import measure_lag, unroll
+from schedules.errors import ScheduleError
 
 
 def _who(schedule: Schedule, rank: int) -> str:
@@ -74,40 +74,59 @@ def _check_steps(schedule: Schedule, rank: int, ops: list[Action]) -> None:
     )
 
 
+def check_rank(
+    schedule: Schedule,
+    rank: int,
+    ops: Sequence[Action],
+    expected: set[Action],
+    *,
+    closing_steps: bool,
+    context: str = "",
+) -> None:
+    """Raise ScheduleError unless ``rank``'s list ``ops`` does every action of ``expected`` once,
+    nothing else and only for its own stages, each micro-batch's work in dependency order.
+    ``closing_steps``: the list ends with one STEP per stage (a synchronous list; the STEPs of
+    an asynchronous one are in ``expected``). ``context`` ends the messages (e.g. the name of
+    the unrolled run)."""
+    who = _who(schedule, rank)
+    own = schedule.stages_on(rank)
+    wrong = [a for a in ops if a.stage not in own]
+    if wrong:
+        raise ScheduleError(f"{who} lists actions of another stage: {wrong[0]}{context}")
+    work = list(ops)
+    if closing_steps:
+        _check_steps(schedule, rank, work)
+        work = work[: len(work) - len(own)]
+    seen: set[Action] = set()
+    for a in work:
+        if a in seen:
+            raise ScheduleError(f"{who} lists {a} twice{context}")
+        seen.add(a)
+    if missing := expected - seen:
+        first = min(missing, key=lambda a: (a.microbatch, a.stage, a.kind.value))
+        why = (
+            "each micro-batch needs one W per stage once any W is listed"
+            if first.kind is Kind.WEIGHT
+            else f"micro-batch {first.microbatch} is skipped"
+        )
+        raise ScheduleError(f"{who} never does {first} ({why}){context}")
+    if extra := seen - expected:
+        raise ScheduleError(f"{who} lists {min(extra, key=str)}, which has no place here{context}")
+    position = {a: i for i, a in enumerate(work)}
+    for s in own:
+        for i in range(schedule.microbatches):
+            for a, b in _order_rules(schedule, s, i):
+                if a in position and b in position and position[a] > position[b]:
+                    raise ScheduleError(f"{who} does {b} before {a}{context}")
+
+
 def check_complete(schedule: Schedule) -> None:
     """Raise ScheduleError unless each stage does each micro-batch's work once, in order."""
     weight = schedule.splits_backward
     for r in range(schedule.ranks):
-        who = _who(schedule, r)
         own = schedule.stages_on(r)
-        ops = list(schedule.actions[r])
-        wrong = [a for a in ops if a.stage not in own]
-        if wrong:
-            raise ScheduleError(f"{who} lists actions of another stage: {wrong[0]}")
-        _check_steps(schedule, r, ops)
-        work = ops[: len(ops) - len(own)]
-        seen: set[Action] = set()
-        for a in work:
-            if a in seen:
-                raise ScheduleError(f"{who} lists {a} twice")
-            seen.add(a)
         expected = set().union(*(_expected(schedule, s, weight) for s in own))
-        if missing := expected - seen:
-            first = min(missing, key=lambda a: (a.microbatch, a.stage, a.kind.value))
-            why = (
-                "each micro-batch needs one W per stage once any W is listed"
-                if first.kind is Kind.WEIGHT
-                else f"micro-batch {first.microbatch} is skipped"
-            )
-            raise ScheduleError(f"{who} never does {first} ({why})")
-        if extra := seen - expected:
-            raise ScheduleError(f"{who} lists {min(extra, key=str)}, which has no place here")
-        position = {a: i for i, a in enumerate(work)}
-        for s in own:
-            for i in range(schedule.microbatches):
-                for a, b in _order_rules(schedule, s, i):
-                    if a in position and b in position and position[a] > position[b]:
-                        raise ScheduleError(f"{who} does {b} before {a}")
+        check_rank(schedule, r, schedule.actions[r], expected, closing_steps=True)
 
 
 def check_deadlock_free(schedule: Schedule) -> None:
@@ -150,11 +169,41 @@ def check_deadlock_free(schedule: Schedule) -> None:
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless the schedule is complete and deadlock-free. An asynchronous
     schedule is checked over several consecutive train_steps and the flush
-    (``schedules.asynchronous.validate_async``), its declared lag included."""
+    (:func:`validate_async`), its declared lag included."""
     if schedule.asynchronous:
-        from schedules.asynchronous import validate_async
-
         validate_async(schedule)
         return
     check_complete(schedule)
     check_deadlock_free(schedule)
+
+
+def validate_async(schedule: Schedule, calls: int = 3) -> None:
+    """Raise ScheduleError unless ``calls`` consecutive train_steps and the flush, concatenated,
+    form a complete, dependency-ordered, deadlock-free run whose updates follow the right
+    backwards, and unless the measured steady-state lag of every stage is ``schedule.lag``."""
+    if not schedule.one_stage_per_rank:
+        raise ScheduleError(f"asynchronous schedule {schedule.name!r} needs one stage per rank")
+    m, every = schedule.microbatches, schedule.update_every
+    calls = max(calls, schedule.stages // m + 2)  # reach the steady state
+    u = unroll(schedule, calls)
+    for s in range(u.stages):
+        ops = u.actions[s]
+        steps = {Action(Kind.STEP, s, g) for g in range(u.microbatches) if (g + 1) % every == 0}
+        context = f" in {u.name}"
+        check_rank(u, s, ops, _expected(u, s, False) | steps, closing_steps=False, context=context)
+        position = {a: i for i, a in enumerate(ops)}
+        for step in sorted(steps, key=lambda a: a.microbatch):
+            at, after = position[step], position[Action(Kind.BACKWARD, s, step.microbatch)]
+            between = [a for a in ops[after + 1 : at] if a.kind is not Kind.SEND_GRAD]
+            if at < after or between:
+                raise ScheduleError(
+                    f"stage {s}: {step} must follow B{step.microbatch} (and its send)"
+                )
+    check_deadlock_free(u)
+    measured = measure_lag(u, every)
+    for s, lags in measured.items():
+        if max(lags.values(), default=0) != schedule.lag[s]:
+            raise ScheduleError(
+                f"stage {s} of {schedule.name!r} declares lag {schedule.lag[s]} but its "
+                f"micro-batches see up to {max(lags.values(), default=0)} updates in between"
+            )

@@ -36,3 +36,10 @@ def test_losses_done_fires_once_right_after_the_last_forward():
     assert done == ops[: ops.index(max((a for a in ops if a.kind is Kind.FORWARD),
                                        key=lambda a: a.microbatch)) + 1]
     assert [a.kind for a in ops[len(done):]].count(Kind.BACKWARD) == 4
+
+
+def test_every_action_kind_has_its_executor_method():
+    from pipetrain.executor import HANDLERS
+
+    assert set(HANDLERS) == set(Kind)
+    assert all(getattr(Executor, h.__name__) is h for h in HANDLERS.values())
