@@ -9,6 +9,7 @@ real forward, never for its recomputation under activation checkpointing.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -82,15 +83,31 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module, chunks: int) -> nn.Module:
-        """``module`` with every BatchNorm inside replaced by a DeferredBatchNorm that keeps its
-        parameters and buffers (and so its state_dict keys)."""
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            deferred = cls(
-                module.num_features, chunks, eps=module.eps, momentum=module.momentum,
-                affine=module.affine, track_running_stats=module.track_running_stats,
-            )
-            deferred.load_state_dict(module.state_dict())
-            return deferred.to(next(iter(module.state_dict().values()), torch.empty(0)).device)
-        for name, child in module.named_children():
-            module.add_module(name, cls.convert(child, chunks))
-        return module
+        """``module`` with every BatchNorm inside (a DeferredBatchNorm too) replaced by a
+        DeferredBatchNorm of ``chunks`` that shares its parameters and buffers: its state_dict
+        keys stay, and the model sees what training does to them. ``module`` itself is left as
+        it was: the modules on the way to a BatchNorm are shallow copies with their own tables
+        of children, so a second pipeline of the same model converts with its own ``chunks``."""
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return cls._sharing(module, chunks)
+        children = dict(module.named_children())
+        converted = {name: cls.convert(child, chunks) for name, child in children.items()}
+        if all(converted[name] is child for name, child in children.items()):
+            return module
+        twin = copy.copy(module)
+        twin._modules = dict(module._modules)
+        twin._modules.update(converted)
+        return twin
+
+    @classmethod
+    def _sharing(cls, norm: nn.modules.batchnorm._BatchNorm, chunks: int) -> DeferredBatchNorm:
+        """A DeferredBatchNorm of ``chunks`` holding ``norm``'s own tables of parameters and
+        buffers (the same tensors, also after the stage moves them to its device)."""
+        deferred = cls(
+            norm.num_features, chunks, eps=norm.eps, momentum=norm.momentum,
+            affine=norm.affine, track_running_stats=norm.track_running_stats,
+        )
+        deferred._parameters = norm._parameters
+        deferred._buffers = norm._buffers
+        deferred._non_persistent_buffers_set = norm._non_persistent_buffers_set
+        return deferred.train(norm.training)

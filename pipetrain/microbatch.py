@@ -8,10 +8,15 @@ Batch = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 def batch_size(value: Batch, what: str) -> int:
+    """The batch size (dimension 0) of ``value``; a TypeError naming the culprit unless it is a
+    Tensor or a non-empty tuple of Tensors."""
     tensors = value if isinstance(value, tuple | list) else (value,)
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+    wrong = [(i, t) for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)]
+    if not tensors or wrong:
+        member = f" ({what}[{wrong[0][0]}] is {type(wrong[0][1]).__name__})"
         raise TypeError(
             f"{what} must be a Tensor or a tuple of Tensors, got {type(value).__name__}"
+            + (member if wrong and isinstance(value, tuple | list) else "")
         )
     sizes = {t.shape[0] if t.dim() else None for t in tensors}
     if len(sizes) != 1 or None in sizes:

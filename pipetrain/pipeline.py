@@ -326,6 +326,7 @@ class Pipeline:
         (computed with the weights each stage had, or was predicted to have, at its forward).
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
         that forward, not for the backwards behind it."""
+        _check_batches(x, y)
         start = time.perf_counter()
         self._loss = None
         if self.schedule.asynchronous:
@@ -431,6 +432,7 @@ class Pipeline:
         """Forward only, in eval mode and without gradients; the output on the last stage
         (None elsewhere). An asynchronous pipeline is flushed first: evaluation sees settled
         weights."""
+        _check_batches(x, None)
         self.flush()
         modes = [stage.module.training for stage in self.stages]
         for stage in self.stages:
@@ -462,10 +464,6 @@ class Pipeline:
                 f"this pipeline stopped after a failure ({self._failed}); build a new one "
                 "(and reload a checkpoint) to go on"
             )
-        if x is not None and y is not None:
-            nx, ny = microbatch.batch_size(x, "x"), microbatch.batch_size(y, "y")  # type: ignore[arg-type]
-            if nx != ny:
-                raise ValueError(f"x has batch size {nx} but y has {ny}; pass matching batches")
         first, last = self.stages[0], self.stages[-1]
         inputs = self._split(x, "x", first.device) if first.is_first else None  # type: ignore[arg-type]
         targets = self._split(y, "y", last.device) if last.is_last else None  # type: ignore[arg-type]
@@ -529,6 +527,20 @@ class Pipeline:
             self.transports[0].raise_failure(error)
         return float(value)
 
+
+def _check_batches(x: object, y: object) -> None:
+    """The same check of the caller's batches for train_step and eval_step, before any work:
+    each a Tensor or a tuple of Tensors (or None on ranks that do not read it), x and y of one
+    batch size."""
+    sizes = {
+        what: microbatch.batch_size(value, what)  # type: ignore[arg-type]
+        for what, value in (("x", x), ("y", y))
+        if value is not None
+    }
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"x has batch size {sizes['x']} but y has {sizes['y']}; pass matching batches"
+        )
 
 
 def _gradient_syncs(

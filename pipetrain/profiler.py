@@ -139,7 +139,9 @@ class _Clock:
 
 @contextmanager
 def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Restore the model's mode, buffers and gradients and the RNG state afterwards."""
+    """Restore the model's mode, buffers and gradients and the RNG state afterwards. The
+    gradients are set aside (``.grad`` is None while profiling), since the profiling backwards
+    would otherwise accumulate into the very tensors that are restored."""
     modes = [m.training for m in model.modules()]
     buffers = [b.detach().clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
@@ -148,6 +150,8 @@ def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
         devices = [torch.cuda.current_device() if device.index is None else device.index]
     with torch.random.fork_rng(devices=devices):
         try:
+            for p in model.parameters():
+                p.grad = None
             yield
         finally:
             for module, mode in zip(model.modules(), modes, strict=True):

@@ -67,6 +67,19 @@ def test_profile_leaves_the_model_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_profile_leaves_existing_gradients_bit_identical():
+    """A model mid-training (gradients accumulated, not yet stepped) keeps its .grad tensors,
+    values and identity: profiling's own backwards must not add into them."""
+    model = mlp(width=6)
+    x, y = torch.randn(5, 6), torch.randint(0, 5, (5,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads]
+    profile(model, x, warmup=1, repeats=1)
+    for p, g, v in zip(model.parameters(), grads, values, strict=True):
+        assert p.grad is g and torch.equal(p.grad, v)
+
+
 def test_example_models_build_deterministically():
     for build in (lambda: resnet_like(width=8), lambda: mlp()):
         a, b = build().state_dict(), build().state_dict()

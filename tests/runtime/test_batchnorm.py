@@ -81,3 +81,22 @@ def test_eval_uses_running_statistics():
     reference = copy.deepcopy(pipe.module).eval()
     with torch.no_grad():
         assert torch.allclose(pipe.eval_step(x), reference(x), atol=1e-6)
+
+
+def test_a_second_pipeline_of_the_same_model_converts_with_its_own_chunks():
+    """Building pipelines leaves the user's model's BatchNorm as it was (no conversion leaks
+    into it), so a second pipeline with other chunks commits once per mini-batch, not once per
+    2 micro-batches as the first one's conversion would; the statistics it trains are still the
+    model's own tensors."""
+    model, plain = conv_model(), conv_model()
+    pipeline(model, [3, 3], chunks=2, deferred_batch_norm=True)
+    pipe = pipeline(model, [3, 3], chunks=4, deferred_batch_norm=True)
+    x, y = data(0)
+    pipe.train_step(x, y)
+    plain(x)
+    got, want = buffers(pipe.module), buffers(plain)
+    assert int(want["0.num_batches_tracked"]) == 1
+    for key in want:
+        assert torch.allclose(got[key].float(), want[key].float(), atol=1e-5), key
+        assert torch.equal(buffers(model)[key], got[key]), f"{key} is not the model's own"
+    assert type(model[0]) is nn.BatchNorm2d

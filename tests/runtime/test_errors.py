@@ -205,3 +205,16 @@ def test_world_size_must_match_the_stages():
 def test_error_classes():
     assert issubclass(CommunicationTimeout, PeerError)
     assert issubclass(PeerError, PipelineError) and issubclass(StageError, PipelineError)
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [("hello", "got str"), (42, "got int"), ((torch.randn(24, 12), "hello"), r"x\[1\] is str")],
+)
+def test_eval_step_and_train_step_reject_a_non_tensor_batch_alike(bad, named):
+    pipe = pipeline(mlp(), [6, 6], chunks=2)
+    _, y = batches(1)[0]
+    for step in (pipe.eval_step, lambda x: pipe.train_step(x, y)):
+        with pytest.raises(TypeError, match=f"x must be a Tensor or a tuple of Tensors.*{named}"):
+            step(bad)
+    pipe.train_step(*batches(1)[0])  # a refused batch does not break the pipeline
