@@ -123,8 +123,10 @@ def _io_threads() -> set[int]:
 def _default_backend() -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus == 0:
+        return "gloo"  # a CPU node: gloo is the expected choice, nothing to warn about
     if gpus >= local:
-        return "nccl" if gpus else "gloo"
+        return "nccl"
     warnings.warn(
         f"{local} processes on this node but {gpus} GPU(s): training on the CPU with gloo. "
         f"For the GPUs start at most {gpus} processes per node (--nproc_per_node={gpus}); "

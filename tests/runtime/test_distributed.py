@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import pipetrain
-from tests.runtime.harness import run_ranks, values
+from tests.runtime.harness import free_port, run_ranks, values
 from tests.runtime.models import (
     batches,
     mlp,
@@ -143,3 +146,35 @@ def test_activation_memory_follows_the_schedule(runs):
             assert always["peak_bytes"] == always["peak_microbatches"] * _input_bytes(s, world)
             assert result[schedule, "never"]["peak_bytes"] > always["peak_bytes"]
         assert result["1f1b", "never"]["peak_bytes"] <= result["gpipe", "never"]["peak_bytes"]
+
+
+_RANK_SCRIPT = """
+import warnings
+warnings.simplefilter("always")
+import torch.distributed as dist
+from pipetrain import init_distributed
+init_distributed(timeout=60)
+print(dist.get_backend())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_cpu_machine_chooses_gloo_without_a_gpu_warning():
+    """Two real processes on a GPU-less node: gloo, and nothing on stderr about GPUs (the
+    warning is for nodes whose GPUs are fewer than their processes)."""
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT],
+            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r),
+                 "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    for out, err in outputs:
+        assert out.strip() == "gloo"
+        assert "GPU" not in err, err
