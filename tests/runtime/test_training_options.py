@@ -384,3 +384,33 @@ def test_fp16_and_clipping_with_an_asynchronous_schedule_name_the_alternative(sc
         _pipeline(optimizer=sgd, schedule=schedule, precision="fp16")
     with pytest.raises(ValueError, match="use a synchronous schedule such as '1f1b'"):
         _pipeline(optimizer=sgd, schedule=schedule, clip_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("schedule, balance", [("interleaved", [3, 3, 3, 3]), ("zb-h1", [4, 8])])
+def test_clipping_with_several_stages_per_rank_and_split_backward(schedule, balance):
+    pipe = pipetrain.Pipeline(
+        mlp(), balance, chunks=4, schedule=schedule, devices=["cpu", "cpu"],
+        loss_fn=nn.functional.cross_entropy, optimizer=sgd, lr_scheduler=decay,
+        clip_grad_norm=MAX_NORM,
+    )
+    norms = []
+    for x, y in batches(STEPS):
+        pipe.train_step(x, y)
+        norms.append(pipe.metrics["grad_norm"])
+    expected, expected_norms, _ = reference("mlp")
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    state = pipe.module.state_dict()
+    for key, value in expected.items():
+        assert (state[key] - value).abs().max().item() <= TOLERANCE, key
+
+
+def test_an_asynchronous_schedule_steps_the_rate_once_per_update_in_bf16():
+    pipe = pipetrain.Pipeline(
+        mlp(), [4, 8], chunks=2, schedule="pipedream-2bw", devices=["cpu", "cpu"],
+        loss_fn=nn.functional.cross_entropy, optimizer=sgd, lr_scheduler=decay,
+        precision="bf16",
+    )
+    for x, y in batches(4):
+        assert torch.isfinite(torch.tensor(pipe.train_step(x, y)))
+    pipe.flush()  # every stage has made its 4 updates (one per mini-batch)
+    assert [s.optimizer.param_groups[0]["lr"] for s in pipe.stages] == pytest.approx([0.1 / 5] * 2)
