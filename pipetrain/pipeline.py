@@ -294,8 +294,8 @@ class Pipeline:
         self.precision = precision
         self.scaler = LossScaler() if precision == "fp16" else None
         self._update: Update | None = None
+        self._world = group  # every rank of every replica: the step's agreement
         if clip_grad_norm is not None or self.scaler is not None:
-            self._world = group
             self._update = Update(
                 self.stages, clip_grad_norm, self.scaler,
                 {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
