@@ -117,3 +117,33 @@ def text_batches(steps: int, batch: int = 8, length: int = 8, vocab: int = 32, s
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, vocab, (steps, batch, length + 1), generator=g)
     return [(s[:, :-1], s[:, 1:]) for s in stream]
+
+
+class _Amplify(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+class GradientAmplifier(nn.Module):
+    """Identity forward; multiplies the gradient flowing back by ``factor`` (1 unless a test
+    raises it), so that an fp16 gradient overflows on this stage alone, on the step chosen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Amplify.apply(x, self.factor)
+
+
+def amplified_mlp() -> tuple[nn.Sequential, GradientAmplifier]:
+    """:func:`mlp` with a :class:`GradientAmplifier` after its first Linear (13 layers)."""
+    body = mlp()
+    amplifier = GradientAmplifier()
+    return nn.Sequential(body[0], amplifier, *body[1:]), amplifier
