@@ -392,9 +392,71 @@ def _pipedream_tables(args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _measured_report(results: dict, profile, opts: dict) -> str:
+    """(a)+(b): per stage count and split, the predictions beside the measured step; the
+    targets; each stage's profiled vs measured compute."""
     from partitioner import stage_costs
 
+    rows = [
+        "| stages | split | balance | predicted ms (a device per stage) | predicted ms "
+        f"(this host: {opts['cores']} shared cores, overhead; the plan's) | measured ms median "
+        "(p25-p75) | error | samples/s |",
+        "|" + "---|" * 8,
+    ]
+    summary = []
+    compute_rows = [
+        "forward+backward ms per micro-batch per stage, profiled -> measured inside the run "
+        "(larger: the stage ran slower than profiled, e.g. cores shared with other processes)"
+    ]
+    for world, res in results.items():
+        bandwidth = res["bandwidth"]
+        medians = {}
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            times = res["samples"][name]
+            med = statistics.median(times)
+            medians[name] = med
+            alone, here = _predictions(profile, balance, opts, res)
+            rows.append(
+                f"| {world} | {name} | {balance} | {alone * 1e3:.1f} | {here * 1e3:.1f} | "
+                f"{med * 1e3:.1f} ({quantile(times, 0.25) * 1e3:.1f}-"
+                f"{quantile(times, 0.75) * 1e3:.1f}) | {(here - med) / med:+.1%} | "
+                f"{opts['batch'] / med:.1f} |"
+            )
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            costs = stage_costs(profile, balance, microbatches=opts["microbatches"])
+            pairs = ", ".join(
+                f"{c.compute * 1e3:.2f}->{r * 1e3:.2f}"
+                for c, r in zip(costs, res["compute"][name], strict=True)
+            )
+            compute_rows.append(f"{world} stages, {name} {balance}: {pairs}")
+        ratio = medians["uniform"] / medians["planned"]
+        paired = [r["uniform"] / r["planned"] for r in res["rounds"]]
+        low = quantile(res["samples"]["uniform"], 0.25) / quantile(
+            res["samples"]["planned"], 0.25
+        )
+        plan_step = json.loads(res["plan"])["step_time"]
+        err = (plan_step - medians["planned"]) / medians["planned"]
+        verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
+        if world != 2:
+            verdict = "not applied (the target is for 2 stages)"
+        line = (
+            f"{world} stages: throughput planned/uniform {ratio:.2f}x (per-round paired median "
+            f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-{max(paired):.2f}; "
+            f"ratio of the p25 step times, the least disturbed by other load, {low:.2f}x); "
+            f"target >= {TARGET_RATIO}: {verdict}. Planned step predicted "
+            f"{plan_step * 1e3:.1f} ms vs measured {medians['planned'] * 1e3:.1f} ms "
+            f"({err:+.1%}; target within {TARGET_ERROR:.0%}: "
+            f"{'PASS' if abs(err) <= TARGET_ERROR else 'FAIL'}); copy rate "
+            f"{bandwidth / 1e9:.2f} GB/s, runtime overhead {res['overhead'] * 1e3:.3f} ms of "
+            "processor time per action"
+        )
+        summary.append(line)
+    return "\n".join([*rows, *summary, *compute_rows])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="2,4", help="stage counts to run (default 2,4)")
     ap.add_argument("--batch", type=int, default=64, help="mini-batch (default 64)")
@@ -473,67 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
     load = load_report(load_before, cpu_jiffies(), wall)
 
-    rows = [
-        "| stages | split | balance | predicted ms (a device per stage) | predicted ms "
-        f"(this host: {args.cores} shared cores, overhead; the plan's) | measured ms median "
-        "(p25-p75) | error | samples/s |",
-        "|" + "---|" * 8,
-    ]
-    summary = []
-    compute_rows = [
-        "forward+backward ms per micro-batch per stage, profiled -> measured inside the run "
-        "(larger: the stage ran slower than profiled, e.g. cores shared with other processes)"
-    ]
-    for world, res in results.items():
-        bandwidth = res["bandwidth"]
-        medians = {}
-        for name in ("planned", "uniform"):
-            balance = res["balance"][name]
-            times = res["samples"][name]
-            med = statistics.median(times)
-            medians[name] = med
-            alone, here = _predictions(profile, balance, opts, res)
-            rows.append(
-                f"| {world} | {name} | {balance} | {alone * 1e3:.1f} | {here * 1e3:.1f} | "
-                f"{med * 1e3:.1f} ({quantile(times, 0.25) * 1e3:.1f}-"
-                f"{quantile(times, 0.75) * 1e3:.1f}) | {(here - med) / med:+.1%} | "
-                f"{args.batch / med:.1f} |"
-            )
-        for name in ("planned", "uniform"):
-            balance = res["balance"][name]
-            costs = stage_costs(profile, balance, microbatches=opts["microbatches"])
-            pairs = ", ".join(
-                f"{c.compute * 1e3:.2f}->{r * 1e3:.2f}"
-                for c, r in zip(costs, res["compute"][name], strict=True)
-            )
-            compute_rows.append(f"{world} stages, {name} {balance}: {pairs}")
-        ratio = medians["uniform"] / medians["planned"]
-        paired = [r["uniform"] / r["planned"] for r in res["rounds"]]
-        low = quantile(res["samples"]["uniform"], 0.25) / quantile(
-            res["samples"]["planned"], 0.25
-        )
-        plan_step = json.loads(res["plan"])["step_time"]
-        err = (plan_step - medians["planned"]) / medians["planned"]
-        verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
-        if world != 2:
-            verdict = "not applied (the target is for 2 stages)"
-        line = (
-            f"{world} stages: throughput planned/uniform {ratio:.2f}x (per-round paired median "
-            f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-{max(paired):.2f}; "
-            f"ratio of the p25 step times, the least disturbed by other load, {low:.2f}x); "
-            f"target >= {TARGET_RATIO}: {verdict}. Planned step predicted "
-            f"{plan_step * 1e3:.1f} ms vs measured {medians['planned'] * 1e3:.1f} ms "
-            f"({err:+.1%}; target within {TARGET_ERROR:.0%}: "
-            f"{'PASS' if abs(err) <= TARGET_ERROR else 'FAIL'}); copy rate "
-            f"{bandwidth / 1e9:.2f} GB/s, runtime overhead {res['overhead'] * 1e3:.3f} ms of "
-            "processor time per action"
-        )
-        summary.append(line)
     print()
     print("(a)+(b) resnet_like, planned (DP) vs uniform split, measured")
-    print("\n".join(rows))
-    print("\n".join(summary))
-    print("\n".join(compute_rows))
+    print(_measured_report(results, profile, opts))
     print(load)
     print()
     print("(c) PipeDream profiles, 4 stages")
