@@ -44,6 +44,7 @@ from datetime import timedelta
 
 from ranks import spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
+from timing import rotation
 
 VARIANTS = {
     "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
@@ -216,7 +217,7 @@ def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) ->
             pipe.train_step(x, y)
     keys = list(pipes)
     for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for key in rotation(keys, r):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):

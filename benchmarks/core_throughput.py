@@ -39,11 +39,11 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 
 from machine_load import cpu_jiffies, load_report
-from ranks import free_port
+from ranks import init_rank, spawn_ranks
+from timing import quantile, rotation, slowest
 
 WIDTH, BLOCKS, BATCH, CHUNKS, STAGES = 1024, 16, 256, 8, 2
 LR = 1e-3
@@ -208,30 +208,22 @@ class _BoundVariant(_Variant):
         return None
 
 
-def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    import torch
+def _rank_main(rank: int, port: int, opts: dict, results) -> None:
+    """One rank: join the group, measure; rank 0 reports the records on ``results``."""
+    timeout = float(opts["timeout"])
+    init_rank(rank, STAGES, port, timeout)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    import pipetrain
-
-    timeout = float(opts["timeout"])
-    pipetrain.init_distributed("gloo", timeout=timeout)
     try:
-        _measure(rank, opts, out_path, timeout)
+        result = _measure(rank, opts, timeout)
+        if result is not None:
+            results.put(result)
     finally:
         dist.destroy_process_group()
 
 
-def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
+def _measure(rank: int, opts: dict, timeout: float) -> dict | None:
+    """Every variant's timed steps (rank 0 returns them with the first losses, else None)."""
     import torch
     import torch.distributed as dist
 
@@ -277,13 +269,12 @@ def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
                 busy.append(after[0] - before[0])
                 steal.append(after[1] - before[1])
         barrier()
-        worst = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        worst = slowest(times)
         ours = torch.tensor(cpus, dtype=torch.float64)
         dist.all_reduce(ours, op=dist.ReduceOp.SUM)
         hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
         records = []
-        for k, t in enumerate(worst.tolist()):
+        for k, t in enumerate(worst):
             rec = {"time": t, "foreign": 0.0, "steal": 0.0}
             if len(busy) == steps and t > 0:
                 capacity = ncpu * t
@@ -302,7 +293,7 @@ def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
     for r in range(opts["rounds"]):
         if rank == 0 and opts["wait_quiet"] > 0:
             waited += _wait_for_quiet(opts["wait_quiet"], opts["disturbed"])
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotation(names, r):
             records, _ = block(name, opts["steps"])
             steps += [dict(rec, round=r, variant=name) for rec in records]
     # first-step losses from the rank that has them, as a sanity check of equivalence
@@ -312,13 +303,13 @@ def _measure(rank: int, opts: dict, out_path: str, timeout: float) -> None:
     )
     gathered = [torch.empty_like(loss_t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, loss_t)
-    if rank == 0:
-        merged = {}
-        for k, n in enumerate(names):
-            vals = [t[k].item() for t in gathered if t[k].item() == t[k].item()]
-            merged[n] = vals[0] if vals else None
-        with open(out_path, "w") as f:
-            json.dump({"steps": steps, "first_loss": merged, "waited": waited}, f)
+    if rank != 0:
+        return None
+    merged = {}
+    for k, n in enumerate(names):
+        vals = [t[k].item() for t in gathered if t[k].item() == t[k].item()]
+        merged[n] = vals[0] if vals else None
+    return {"steps": steps, "first_loss": merged, "waited": waited}
 
 
 def _wait_for_quiet(limit_s: float, share: float) -> float:
@@ -338,23 +329,7 @@ def _wait_for_quiet(limit_s: float, share: float) -> float:
     return time.monotonic() - start
 
 
-def _worker(rank, world, port, opts, out_path):
-    try:
-        _rank_main(rank, world, port, opts, out_path)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-
-
 # -- the parent ---------------------------------------------------------------------------------
-
-
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 def _select(steps: list[dict], limit: float) -> tuple[dict[str, list[dict]], dict[str, bool]]:
@@ -402,7 +377,7 @@ def _table(steps: list[dict], first_loss: dict, opts: dict) -> str:
         med = statistics.median(times)
         stats[name] = {
             "ms": med * 1e3,
-            "iqr": (_quantile(times, 0.25) * 1e3, _quantile(times, 0.75) * 1e3),
+            "iqr": (quantile(times, 0.25) * 1e3, quantile(times, 0.75) * 1e3),
             "sps": BATCH / med,
             "used": f"{len(times)}/{len(every)}" + (" *" if fallback[name] else ""),
             "all_ms": statistics.median(every) * 1e3,
@@ -523,38 +498,14 @@ def main(argv: list[str] | None = None) -> int:
         "wait_quiet": args.wait_quiet,
     }
 
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    fd, out_path = tempfile.mkstemp(prefix="core_throughput_", suffix=".json")
-    os.close(fd)
     started = time.monotonic()
     load_before = cpu_jiffies()
-    ctx = mp.start_processes(
-        _worker,
-        args=(STAGES, free_port(), opts, out_path),
-        nprocs=STAGES,
-        join=False,
-        start_method="spawn",
-    )
     try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() - started > args.deadline:
-                raise TimeoutError(f"ranks still running after --deadline={args.deadline:g} s")
-        with open(out_path) as f:
-            result = json.load(f)
+        result = spawn_ranks(_rank_main, STAGES, opts, timeout=args.deadline)
     except BaseException as error:
         print(f"benchmark failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        os.unlink(out_path)
     wall = time.monotonic() - started
     print(_table(result["steps"], result["first_loss"], opts))
     print(load_report(load_before, cpu_jiffies(), wall))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from ranks import spawn_ranks
+from timing import median_time
 from torch import nn
 
 import pipetrain
@@ -32,16 +32,6 @@ from pipetrain.data_parallel import BUCKET_BYTES
 def model(width: int, depth: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
-
-
-def timed(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
@@ -80,11 +70,11 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
         "all-reduce alone": allreduce,
     }
     for fn in variants.values():  # warm-up
-        timed(fn, 2)
+        median_time(fn, 2, before=dist.barrier)
     rounds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
-            rounds[name].append(timed(fn, args.steps))
+            rounds[name].append(median_time(fn, args.steps, before=dist.barrier))
     if rank == 0:
         results.put({name: statistics.median(v) for name, v in rounds.items()})
     dist.destroy_process_group()

@@ -39,14 +39,13 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 from machine_load import cpu_jiffies, load_report
-from ranks import free_port
+from ranks import init_rank, spawn_ranks
+from timing import quantile, rotation, slowest
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -195,29 +194,17 @@ def _time_stage_compute() -> dict[str, float]:
     return acc
 
 
-def _rank_main(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+def _rank_main(rank: int, port: int, world: int, opts: dict, results) -> None:
+    """One rank: join the group, measure; rank 0 reports the result on ``results``."""
     if opts["allocator"] == "tuned":
         tune_malloc()
-    import torch
-
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    init_rank(rank, world, port, opts["timeout"])
     import torch.distributed as dist
 
-    import pipetrain
-
-    pipetrain.init_distributed("gloo", timeout=opts["timeout"])
     try:
         result = _measure(rank, world, opts)
         if rank == 0:
-            Path(out_path).write_text(json.dumps(result))
+            results.put(result)
     finally:
         dist.destroy_process_group()
 
@@ -279,9 +266,7 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
             pipe.train_step(x, y)
             times.append(time.perf_counter() - start)
             busy[name].append(compute["seconds"])
-        worst = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return worst.tolist()
+        return slowest(times)
 
     busy: dict[str, list[float]] = {name: [] for name in variants}
 
@@ -291,9 +276,8 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
     samples: dict[str, list[float]] = {name: [] for name in names}
     rounds = []
     for r in range(opts["rounds"]):
-        order = names[r % len(names) :] + names[: r % len(names)]
         this_round = {}
-        for name in order:
+        for name in rotation(names, r):
             times = block(name, opts["steps"])
             samples[name] += times
             this_round[name] = statistics.median(times)
@@ -316,52 +300,7 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, opts: dict, out_path: str) -> None:
-    try:
-        _rank_main(rank, world, port, opts, out_path)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-
-
 # -- the parent --------------------------------------------------------------------------------
-
-
-def _launch(world: int, opts: dict, deadline: float) -> dict:
-    import torch.multiprocessing as mp
-
-    fd, out_path = tempfile.mkstemp(prefix="plan_quality_", suffix=".json")
-    os.close(fd)
-    started = time.monotonic()
-    ctx = mp.start_processes(
-        _worker,
-        args=(world, free_port(), opts, out_path),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() - started > deadline:
-                raise TimeoutError(f"ranks still running after --deadline={deadline:g} s")
-        return json.loads(Path(out_path).read_text())
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        os.unlink(out_path)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 def _corunner(opts: dict, ready, stop) -> None:
@@ -453,9 +392,71 @@ def _pipedream_tables(args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _measured_report(results: dict, profile, opts: dict) -> str:
+    """(a)+(b): per stage count and split, the predictions beside the measured step; the
+    targets; each stage's profiled vs measured compute."""
     from partitioner import stage_costs
 
+    rows = [
+        "| stages | split | balance | predicted ms (a device per stage) | predicted ms "
+        f"(this host: {opts['cores']} shared cores, overhead; the plan's) | measured ms median "
+        "(p25-p75) | error | samples/s |",
+        "|" + "---|" * 8,
+    ]
+    summary = []
+    compute_rows = [
+        "forward+backward ms per micro-batch per stage, profiled -> measured inside the run "
+        "(larger: the stage ran slower than profiled, e.g. cores shared with other processes)"
+    ]
+    for world, res in results.items():
+        bandwidth = res["bandwidth"]
+        medians = {}
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            times = res["samples"][name]
+            med = statistics.median(times)
+            medians[name] = med
+            alone, here = _predictions(profile, balance, opts, res)
+            rows.append(
+                f"| {world} | {name} | {balance} | {alone * 1e3:.1f} | {here * 1e3:.1f} | "
+                f"{med * 1e3:.1f} ({quantile(times, 0.25) * 1e3:.1f}-"
+                f"{quantile(times, 0.75) * 1e3:.1f}) | {(here - med) / med:+.1%} | "
+                f"{opts['batch'] / med:.1f} |"
+            )
+        for name in ("planned", "uniform"):
+            balance = res["balance"][name]
+            costs = stage_costs(profile, balance, microbatches=opts["microbatches"])
+            pairs = ", ".join(
+                f"{c.compute * 1e3:.2f}->{r * 1e3:.2f}"
+                for c, r in zip(costs, res["compute"][name], strict=True)
+            )
+            compute_rows.append(f"{world} stages, {name} {balance}: {pairs}")
+        ratio = medians["uniform"] / medians["planned"]
+        paired = [r["uniform"] / r["planned"] for r in res["rounds"]]
+        low = quantile(res["samples"]["uniform"], 0.25) / quantile(
+            res["samples"]["planned"], 0.25
+        )
+        plan_step = json.loads(res["plan"])["step_time"]
+        err = (plan_step - medians["planned"]) / medians["planned"]
+        verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
+        if world != 2:
+            verdict = "not applied (the target is for 2 stages)"
+        line = (
+            f"{world} stages: throughput planned/uniform {ratio:.2f}x (per-round paired median "
+            f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-{max(paired):.2f}; "
+            f"ratio of the p25 step times, the least disturbed by other load, {low:.2f}x); "
+            f"target >= {TARGET_RATIO}: {verdict}. Planned step predicted "
+            f"{plan_step * 1e3:.1f} ms vs measured {medians['planned'] * 1e3:.1f} ms "
+            f"({err:+.1%}; target within {TARGET_ERROR:.0%}: "
+            f"{'PASS' if abs(err) <= TARGET_ERROR else 'FAIL'}); copy rate "
+            f"{bandwidth / 1e9:.2f} GB/s, runtime overhead {res['overhead'] * 1e3:.3f} ms of "
+            "processor time per action"
+        )
+        summary.append(line)
+    return "\n".join([*rows, *summary, *compute_rows])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="2,4", help="stage counts to run (default 2,4)")
     ap.add_argument("--batch", type=int, default=64, help="mini-batch (default 64)")
@@ -527,74 +528,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for world in stage_counts:
         try:
-            results[world] = _launch(world, opts, args.deadline)
+            results[world] = spawn_ranks(_rank_main, world, world, opts, timeout=args.deadline)
         except BaseException as error:
             print(f"{world} stages failed: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
     wall = time.monotonic() - started
     load = load_report(load_before, cpu_jiffies(), wall)
 
-    rows = [
-        "| stages | split | balance | predicted ms (a device per stage) | predicted ms "
-        f"(this host: {args.cores} shared cores, overhead; the plan's) | measured ms median "
-        "(p25-p75) | error | samples/s |",
-        "|" + "---|" * 8,
-    ]
-    summary = []
-    compute_rows = [
-        "forward+backward ms per micro-batch per stage, profiled -> measured inside the run "
-        "(larger: the stage ran slower than profiled, e.g. cores shared with other processes)"
-    ]
-    for world, res in results.items():
-        bandwidth = res["bandwidth"]
-        medians = {}
-        for name in ("planned", "uniform"):
-            balance = res["balance"][name]
-            times = res["samples"][name]
-            med = statistics.median(times)
-            medians[name] = med
-            alone, here = _predictions(profile, balance, opts, res)
-            rows.append(
-                f"| {world} | {name} | {balance} | {alone * 1e3:.1f} | {here * 1e3:.1f} | "
-                f"{med * 1e3:.1f} ({_quantile(times, 0.25) * 1e3:.1f}-"
-                f"{_quantile(times, 0.75) * 1e3:.1f}) | {(here - med) / med:+.1%} | "
-                f"{args.batch / med:.1f} |"
-            )
-        for name in ("planned", "uniform"):
-            balance = res["balance"][name]
-            costs = stage_costs(profile, balance, microbatches=opts["microbatches"])
-            pairs = ", ".join(
-                f"{c.compute * 1e3:.2f}->{r * 1e3:.2f}"
-                for c, r in zip(costs, res["compute"][name], strict=True)
-            )
-            compute_rows.append(f"{world} stages, {name} {balance}: {pairs}")
-        ratio = medians["uniform"] / medians["planned"]
-        paired = [r["uniform"] / r["planned"] for r in res["rounds"]]
-        low = _quantile(res["samples"]["uniform"], 0.25) / _quantile(
-            res["samples"]["planned"], 0.25
-        )
-        plan_step = json.loads(res["plan"])["step_time"]
-        err = (plan_step - medians["planned"]) / medians["planned"]
-        verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
-        if world != 2:
-            verdict = "not applied (the target is for 2 stages)"
-        line = (
-            f"{world} stages: throughput planned/uniform {ratio:.2f}x (per-round paired median "
-            f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-{max(paired):.2f}; "
-            f"ratio of the p25 step times, the least disturbed by other load, {low:.2f}x); "
-            f"target >= {TARGET_RATIO}: {verdict}. Planned step predicted "
-            f"{plan_step * 1e3:.1f} ms vs measured {medians['planned'] * 1e3:.1f} ms "
-            f"({err:+.1%}; target within {TARGET_ERROR:.0%}: "
-            f"{'PASS' if abs(err) <= TARGET_ERROR else 'FAIL'}); copy rate "
-            f"{bandwidth / 1e9:.2f} GB/s, runtime overhead {res['overhead'] * 1e3:.3f} ms of "
-            "processor time per action"
-        )
-        summary.append(line)
     print()
     print("(a)+(b) resnet_like, planned (DP) vs uniform split, measured")
-    print("\n".join(rows))
-    print("\n".join(summary))
-    print("\n".join(compute_rows))
+    print(_measured_report(results, profile, opts))
     print(load)
     print()
     print("(c) PipeDream profiles, 4 stages")

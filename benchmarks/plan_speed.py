@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import median_time  # noqa: E402
 
 from partitioner import (  # noqa: E402
     LayerCost,
@@ -71,15 +70,6 @@ def synthetic(layers: int, seed: int = 0) -> Profile:
     )
 
 
-def median_seconds(run: Callable[[], object], repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def speed_tables() -> None:
     dp_rows: list[list[float]] = []
     plan_rows: list[list[float]] = []
@@ -93,11 +83,11 @@ def speed_tables() -> None:
             problem = problem_from_profile(
                 profile, stages=stages, microbatches=m, bandwidth=BANDWIDTH, memory=cap
             )
-            dp_row.append(median_seconds(partial(solve, problem)))
+            dp_row.append(median_time(partial(solve, problem), 3))
             run = partial(
                 plan, profile, stages=stages, microbatches=m, bandwidth=BANDWIDTH, memory=cap
             )
-            plan_row.append(median_seconds(run))
+            plan_row.append(median_time(run, 3))
         dp_rows.append(dp_row)
         plan_rows.append(plan_row)
     for title, rows in (("DP (partitioner.solve)", dp_rows), ("partitioner.plan", plan_rows)):

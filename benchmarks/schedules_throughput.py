@@ -52,6 +52,7 @@ import tempfile
 from datetime import timedelta
 
 from ranks import spawn_ranks
+from timing import rotation
 
 WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
@@ -197,7 +198,7 @@ def _rank(
             variant.step()  # type: ignore[attr-defined]
     names = list(variants)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotation(names, r):
             for _ in range(steps):
                 dist.barrier()
                 start = time.perf_counter()

@@ -6,7 +6,13 @@ laptop. Units: seconds and bytes everywhere.
 
 from partitioner.costs import Problem, inflight, make_problem, problem_from_profile
 from partitioner.dp import Split, balance, smallest_cap, solve
-from partitioner.errors import InfeasibleError, PlanFileError, PlanMismatchError, ProfileError
+from partitioner.errors import (
+    InfeasibleError,
+    PlanFileError,
+    PlanMismatchError,
+    PlannerError,
+    ProfileError,
+)
 from partitioner.ilp import solve_ilp
 from partitioner.pipedream import load_pipedream, parse_graph
 from partitioner.planner import cut_layers, plan, predict, simulate_split, stage_costs
@@ -23,6 +29,7 @@ __all__ = [
     "Plan",
     "PlanFileError",
     "PlanMismatchError",
+    "PlannerError",
     "Problem",
     "Profile",
     "ProfileError",

@@ -92,6 +92,33 @@ class Problem:
         return self.forward + self.backward
 
 
+def _layer_array(values: Values | None, layers: int, kind: type, what: str) -> np.ndarray:
+    """``values`` (zeros when None) as one non-negative ``kind`` per layer."""
+    arr: np.ndarray = (
+        np.zeros(layers, dtype=kind) if values is None else np.asarray(values, dtype=kind)
+    )
+    if arr.shape != (layers,):
+        raise ValueError(f"{what} needs {layers} values, one per layer, got {arr.shape}")
+    if (arr < 0).any():
+        raise ValueError(f"{what} must be >= 0")
+    return arr
+
+
+def _cut_arrays(
+    cut_bytes: Values | None, allowed: Sequence[bool] | np.ndarray | None, layers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes crossing, cut allowed) at positions 0..L; the ends are always allowed."""
+    n = layers
+    cuts = np.zeros(n + 1, dtype=np.int64) if cut_bytes is None else np.asarray(cut_bytes)
+    ok = np.ones(n + 1, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool).copy()
+    if cuts.shape != (n + 1,) or ok.shape != (n + 1,):
+        raise ValueError(f"cut_bytes and allowed need {n + 1} values (positions 0..{n})")
+    if (cuts < 0).any():
+        raise ValueError("cut_bytes must be >= 0")
+    ok[0] = ok[n] = True
+    return cuts.astype(np.int64), ok
+
+
 def make_problem(
     forward: Values,
     backward: Values | None = None,
@@ -118,28 +145,11 @@ def make_problem(
         raise ValueError("nothing to split: no layers")
     if not 1 <= stages:
         raise ValueError(f"stages must be >= 1, got {stages}")
-
-    def layer_array(values: Values | None, kind: type, what: str) -> np.ndarray:
-        arr: np.ndarray = (
-            np.zeros(n, dtype=kind) if values is None else np.asarray(values, dtype=kind)
-        )
-        if arr.shape != (n,):
-            raise ValueError(f"{what} needs {n} values, one per layer, got {arr.shape}")
-        if (arr < 0).any():
-            raise ValueError(f"{what} must be >= 0")
-        return arr
-
-    fwd = layer_array(forward, float, "forward")
-    bwd = layer_array(backward, float, "backward")
-    cuts = np.zeros(n + 1, dtype=np.int64) if cut_bytes is None else np.asarray(cut_bytes)
-    ok = np.ones(n + 1, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool).copy()
-    if cuts.shape != (n + 1,) or ok.shape != (n + 1,):
-        raise ValueError(f"cut_bytes and allowed need {n + 1} values (positions 0..{n})")
-    if (cuts < 0).any():
-        raise ValueError("cut_bytes must be >= 0")
+    fwd = _layer_array(forward, n, float, "forward")
+    bwd = _layer_array(backward, n, float, "backward")
+    cuts, ok = _cut_arrays(cut_bytes, allowed, n)
     if microbatches < 1:
         raise ValueError(f"a step needs at least one micro-batch, got {microbatches}")
-    ok[0] = ok[n] = True
     flight = [1] * stages if inflight is None else [int(k) for k in inflight]
     mem = list(memory) if isinstance(memory, Sequence) else [memory] * stages
     bw = (
@@ -158,10 +168,10 @@ def make_problem(
     return Problem(
         forward=fwd,
         backward=bwd,
-        weight_bytes=layer_array(weight_bytes, np.int64, "weight_bytes"),
-        activation_bytes=layer_array(activation_bytes, np.int64, "activation_bytes"),
-        param_bytes=layer_array(param_bytes, np.int64, "param_bytes"),
-        cut_bytes=cuts.astype(np.int64),
+        weight_bytes=_layer_array(weight_bytes, n, np.int64, "weight_bytes"),
+        activation_bytes=_layer_array(activation_bytes, n, np.int64, "activation_bytes"),
+        param_bytes=_layer_array(param_bytes, n, np.int64, "param_bytes"),
+        cut_bytes=cuts,
         allowed=ok,
         inflight=tuple(flight),
         checkpoint=checkpoint,

@@ -117,47 +117,48 @@ class _Sweep:
     """The decision procedure: which positions each stage can reach under limits (T, M)."""
 
     def __init__(self, problem: Problem) -> None:
-        self.p = problem
-        n, s = problem.layers, problem.stages
-        self.floor_log2 = np.zeros(n + 2, dtype=np.int64)
-        self.floor_log2[1:] = np.floor(np.log2(np.arange(1, n + 2))).astype(np.int64)
-        self.memory = [memory_terms(problem, t) for t in range(s)]
+        self.problem = problem
+        layers, stages = problem.layers, problem.stages
+        self.floor_log2 = np.zeros(layers + 2, dtype=np.int64)
+        self.floor_log2[1:] = np.floor(np.log2(np.arange(1, layers + 2))).astype(np.int64)
+        self.memory = [memory_terms(problem, t) for t in range(stages)]
         # the most memory any single stage t could need: a cap at or above it never binds
         self.worst = [
             int((head[1:] + np.maximum.accumulate(tail[:-1])).max()) for head, tail in self.memory
         ]
-        self.links = [link_time(problem, t) for t in range(s)]
+        self.links = [link_time(problem, t) for t in range(stages)]
         self.prefix: dict[tuple[float, int], np.ndarray] = {}
-        pos = np.arange(n + 1)
+        pos = np.arange(layers + 1)
         self.ends = []
-        for t in range(s):
-            end = problem.allowed & (pos >= t + 1) & (pos <= n - (s - 1 - t))
-            if t == s - 1:
-                end = pos == n
+        for t in range(stages):
+            end = problem.allowed & (pos >= t + 1) & (pos <= layers - (stages - 1 - t))
+            if t == stages - 1:
+                end = pos == layers
             self.ends.append(end)
-        self.start = np.zeros(n + 1, dtype=bool)
+        self.start = np.zeros(layers + 1, dtype=bool)
         self.start[0] = True
-        self.buffer = np.empty((int(self.floor_log2[n + 1]) + 1, n + 1), dtype=np.int64)
+        self.buffer = np.empty((int(self.floor_log2[layers + 1]) + 1, layers + 1), dtype=np.int64)
 
     def _prefix(self, stage: int, replicas: int) -> np.ndarray:
-        key = (self.p.speed[stage], replicas)
+        key = (self.problem.speed[stage], replicas)
         if key not in self.prefix:
-            self.prefix[key] = compute_prefix(self.p, stage, replicas)
+            self.prefix[key] = compute_prefix(self.problem, stage, replicas)
         return self.prefix[key]
 
     def _cap(self, stage: int, limit: int | None, device_caps: bool) -> int | None:
-        caps = [c for c in (limit, self.p.memory[stage] if device_caps else None) if c is not None]
+        device_cap = self.problem.memory[stage] if device_caps else None
+        caps = [c for c in (limit, device_cap) if c is not None]
         return min(*caps, _CAP_CEILING) if caps else None
 
     def probe(self, time: float, memory: int | None, device_caps: bool = True) -> States | None:
         """Reachable positions per stage boundary if some split has every stage cost <= time
         and memory <= min(memory, the device's cap), else None."""
-        p = self.p
+        problem = self.problem
         windows: dict[tuple[float, int], _Window] = {}
         states: States = [{0: self.start}]
-        for t in range(p.stages):
+        for t in range(problem.stages):
             end = self.ends[t]
-            if t < p.stages - 1:
+            if t < problem.stages - 1:
                 end = end & (self.links[t] <= time)
             cap = self._cap(t, memory, device_caps)
             if cap is not None and cap >= self.worst[t]:
@@ -165,23 +166,25 @@ class _Sweep:
             head, tail = self.memory[t]
             reached: dict[int, np.ndarray] = {}
             for used, here in states[-1].items():
-                most = p.devices - used - (p.stages - 1 - t)
-                wins = []
-                for r in range(1, most + 1):
-                    key = (p.speed[t], r)
+                most_replicas = problem.devices - used - (problem.stages - 1 - t)
+                options = []
+                for r in range(1, most_replicas + 1):
+                    key = (problem.speed[t], r)
                     if key not in windows:
                         windows[key] = _Window(self._prefix(t, r), time, self.floor_log2)
-                    wins.append((r, windows[key]))
+                    options.append((r, windows[key]))
                 if cap is None:
                     count = np.concatenate(([0], np.cumsum(here)))
-                    for r, w in wins:
-                        _merge(reached, used + r, end & (count[:-1] > count[w.lo]))
+                    for r, window in options:
+                        _merge(reached, used + r, end & (count[:-1] > count[window.lo]))
                     continue
-                table = self._table(np.where(here, tail, _BIG), max(w.top for _, w in wins))
-                for r, w in wins:
-                    least = np.minimum(table.take(w.left_cell), table.take(w.right_cell))
+                table = self._table(
+                    np.where(here, tail, _BIG), max(window.top for _, window in options)
+                )
+                for r, window in options:
+                    least = np.minimum(table.take(window.left_cell), table.take(window.right_cell))
                     ok = head + least <= cap  # _BIG (no reachable start) never fits
-                    ok &= w.nonempty
+                    ok &= window.nonempty
                     ok &= end
                     _merge(reached, used + r, ok)
             if not reached:
@@ -203,24 +206,24 @@ class _Sweep:
     def costs_between(self, lo: float, hi: float) -> np.ndarray | None:
         """Every stage or link cost in (lo, hi], sorted and distinct; None if there are more
         than _MAX_CANDIDATES."""
-        p = self.p
+        problem = self.problem
         found = [link[(link > lo) & (link <= hi)] for link in self.links[:-1]]
-        pos = np.arange(p.layers + 1)
+        pos = np.arange(problem.layers + 1)
         listed = 0
-        stage_of_speed = {p.speed[t]: t for t in range(p.stages)}
+        stage_of_speed = {problem.speed[t]: t for t in range(problem.stages)}
         for t in stage_of_speed.values():
-            for r in range(1, p.devices - p.stages + 2):
-                q = self._prefix(t, r)
-                # starts i with lo < q[j] - q[i] <= hi, widened by one for rounding
-                first = np.maximum(np.searchsorted(q, q - hi, side="left") - 1, 0)
-                stop = np.minimum(np.searchsorted(q, q - lo, side="left") + 1, pos)
+            for r in range(1, problem.devices - problem.stages + 2):
+                prefix = self._prefix(t, r)
+                # starts i with lo < prefix[j] - prefix[i] <= hi, widened by one for rounding
+                first = np.maximum(np.searchsorted(prefix, prefix - hi, side="left") - 1, 0)
+                stop = np.minimum(np.searchsorted(prefix, prefix - lo, side="left") + 1, pos)
                 counts = np.maximum(stop - first, 0)
                 listed += int(counts.sum())
                 if listed > _MAX_CANDIDATES:
                     return None
                 ends = np.repeat(pos, counts)
                 offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
-                values = q[ends] - q[np.repeat(first, counts) + offsets]
+                values = prefix[ends] - prefix[np.repeat(first, counts) + offsets]
                 found.append(values[(values > lo) & (values <= hi)])
         return np.unique(np.concatenate(found))
 
@@ -228,30 +231,30 @@ class _Sweep:
         self, states: States, time: float, memory: int | None, device_caps: bool = True
     ) -> Split:
         """A split behind a successful probe, read back from the last stage to the first."""
-        p = self.p
-        j = p.layers
+        problem = self.problem
+        j = problem.layers
         used = min(d for d, here in states[-1].items() if here[j])
-        bounds, reps = [j], []
-        for t in range(p.stages - 1, -1, -1):
+        bounds, replicas = [j], []
+        for t in range(problem.stages - 1, -1, -1):
             cap = self._cap(t, memory, device_caps)
             head, tail = self.memory[t]
             for r in range(1, used + 1):
                 here = states[t].get(used - r)
                 if here is None:
                     continue
-                q = self._prefix(t, r)
+                prefix = self._prefix(t, r)
                 starts = np.arange(j)
-                ok = here[:j] & (q[j] - q[:j] <= time)
+                ok = here[:j] & (prefix[j] - prefix[:j] <= time)
                 if cap is not None:
                     ok &= head[j] + tail[:j] <= cap
                 if ok.any():
                     j, used = int(starts[ok][-1]), used - r
                     bounds.append(j)
-                    reps.append(r)
+                    replicas.append(r)
                     break
             else:  # unreachable after a successful probe
                 raise RuntimeError("could not trace the split back")
-        return split_of(p, bounds[::-1], reps[::-1])
+        return split_of(problem, bounds[::-1], replicas[::-1])
 
 
 def _float_bits(x: float) -> int:
@@ -319,7 +322,7 @@ def _least_time(sweep: _Sweep, hi: float) -> float:
 
     That T is the cost of one stage or link of the best split, so once bisection has narrowed
     the interval, the stage and link costs inside it are listed and searched exactly."""
-    problem = sweep.p
+    problem = sweep.problem
 
     def fast_enough(limit: float) -> bool:
         return sweep.probe(limit, None) is not None

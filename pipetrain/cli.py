@@ -496,12 +496,8 @@ def _host(args: argparse.Namespace, default: Host | None = None) -> Host:
         raise UsageError(str(error)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_profile_command(sub: argparse._SubParsersAction) -> None:
+    """``pipetrain profile``: its arguments."""
     p = sub.add_parser(
         "profile",
         help="measure a model layer by layer",
@@ -530,6 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("-o", "--output", help="write the profile JSON here")
     p.set_defaults(run=cmd_profile)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_profile_command(sub)
 
     p = sub.add_parser(
         "plan",

@@ -54,7 +54,3 @@ class ActivationLedger:
 
     def release(self, microbatch: int) -> None:
         self.live.pop(microbatch, None)
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(self.live.values())

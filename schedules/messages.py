@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from schedules.action import Action, Kind
 
-F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+F, B = Kind.FORWARD, Kind.BACKWARD
 
 
 def _inputs(a: Action, stages: int) -> list[Action]:

@@ -14,6 +14,7 @@ from partitioner import (
     Plan,
     PlanFileError,
     PlanMismatchError,
+    PlannerError,
     Profile,
     plan,
 )
@@ -184,3 +185,18 @@ def test_plans_without_a_host_read_as_a_device_per_stage() -> None:
     data["host"] = {"cores": 0, "overhead": 0.0}
     with pytest.raises(PlanFileError, match="cores must be at least 1"):
         Plan.from_json(json.dumps(data))
+
+
+def test_one_except_clause_catches_every_planner_error() -> None:
+    """Corrupt plan files, infeasible constraints and bad profiles all derive from
+    PlannerError (still a ValueError), so a caller needs one clause for the package."""
+    failures = [
+        lambda: Plan.from_json(_profile().to_json()),
+        lambda: plan(_profile(), stages=3, microbatches=4, memory=1000),
+        lambda: Profile.from_json("{}"),
+    ]
+    for fail in failures:
+        with pytest.raises(PlannerError) as info:
+            fail()
+        assert isinstance(info.value, ValueError)
+        assert type(info.value) is not PlannerError  # the specific kind, for a specific clause
