@@ -76,10 +76,15 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+def _rng_state(stage: Stage) -> dict:
+    """The process's generators and the stage's own stream (pipetrain/rng.py)."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "stage": stage.rng.state_dict(),
+    }
+    if stage.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(stage.device)
     return state
 
 
@@ -111,7 +116,7 @@ def save(
             "stage": stage.index,
             "module": stage.module.state_dict(),
             "optimizer": _optimizer_state(stage),
-            "rng": _rng_state(stage.device),
+            "rng": _rng_state(stage),
             "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
         }
@@ -210,6 +215,10 @@ def load(
     if scaler is not None and payloads[0].get("scaler") is not None:
         scaler.load_state_dict(payloads[0]["scaler"])
     _set_rng(by_stage.get(stages[0].index, payloads[0])["rng"], stages[0].device)
+    for stage in stages:  # a stage's stream goes on where its namesake's stopped
+        saved = by_stage.get(stage.index, {}).get("rng", {}).get("stage")
+        if saved is not None:
+            stage.rng.load_state_dict(saved)
     return int(payloads[0]["step"])
 
 

@@ -32,6 +32,7 @@ from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
 from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, peak_memory
+from pipetrain.rng import draw_seeds
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
@@ -117,6 +118,10 @@ class Pipeline:
     k * stages + s, and each stage's replicas average their gradients before every optimizer
     step. With ``devices`` every stage runs here, stage s on ``devices[s]``. Weights shared by
     layers on different stages stay identical: their gradients are summed across those stages.
+    Each stage draws its random numbers (dropout) from a stream of its own, seeded from torch's
+    global generator when the pipeline is built (call ``torch.manual_seed`` first for a
+    reproducible run, the same in either mode); a recomputed micro-batch replays its forward's
+    draws, and checkpoints save the streams (see pipetrain/rng.py).
 
     Asynchronous schedules ("pipedream", "pipedream-2bw"; see schedules/asynchronous.py) never
     flush between train_steps: ``weight_stashing`` (default True) makes a micro-batch's forward
@@ -223,13 +228,14 @@ class Pipeline:
         self._failed: str | None = None
         self._loss: tuple[torch.Tensor, dist.Work | None] | None = None  # on its way
         rank_of = self.schedule.rank_of
+        seeds = draw_seeds(len(parts))  # every stage's, in every process: see pipetrain/rng.py
 
         def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
             offset, module = parts[s]
             return Stage(
                 module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
                 track_memory, owned_elsewhere, self.schedule.splits_backward,
-                lr_scheduler=lr_scheduler, autocast_dtype=dtype,
+                lr_scheduler=lr_scheduler, autocast_dtype=dtype, seed=seeds[s],
             )
 
         if devices is not None:

@@ -23,6 +23,7 @@ from pipetrain.data_parallel import GradientSync
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
 from pipetrain.precision import autocast, to_boundary
+from pipetrain.rng import StageRng, State, draw_seeds
 from pipetrain.weights import WeightVersions
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -84,8 +85,12 @@ class Stage:
         split_backward: bool = False,
         lr_scheduler: SchedulerFactory | None = None,
         autocast_dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ):
+        """``seed`` starts the stage's random stream (pipetrain/rng.py); by default one drawn
+        from the global generator."""
         self.module = module.to(device)
+        self.rng = StageRng(draw_seeds(1)[0] if seed is None else seed, device)
         self.index, self.count, self.offset = index, count, offset
         self.device = device
         self.loss_fn = loss_fn
@@ -114,7 +119,8 @@ class Stage:
         self.syncs: list[GradientSync] = []  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
-        self._targets: dict[int, tuple[object, object]] = {}  # "stale" recomputation inputs
+        # "stale" recomputation: the inputs, target and random state of the forward
+        self._targets: dict[int, tuple[object, object, State]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         # Split backward (schedules with W): B computes input gradients, W weight gradients.
         self.split_backward = split_backward
@@ -172,32 +178,16 @@ class Stage:
         chunks: int = 1,
         training: bool = True,
     ) -> object:
-        """Run the slice on ``value`` (built from ``inputs``); return its output. In training,
-        stash what backward needs; on the last stage compute the loss against ``target``."""
+        """Run the slice on ``value`` (built from ``inputs``) on the stage's random stream;
+        return its output. In training, stash what backward needs; on the last stage compute
+        the loss against ``target``."""
         self._layer = 0
         try:
-            if not training:
-                with torch.no_grad():
-                    return self._run_and_score(value, None, score=False)
-            # On the last stage the loss is part of the (possibly recomputed) work, so a
-            # checkpointed micro-batch keeps nothing but its inputs.
-            recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
-            cuts: list | None = [] if self.split_backward and not recomputed else None
-            work: Callable[[object], object] = partial(
-                self._run_and_score, target=target, cuts=cuts
-            )
-            versions = self.versions
-            if versions is not None:  # asynchronous: the weights this micro-batch reads
-                work = self._functional(versions.forward_weights(microbatch), target)
-            ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
-            with ledger, gathering_statistics():
-                if versions is not None and versions.recomputes:
-                    output = work(value)  # its graph is dropped below: the backward
-                    self._targets[microbatch] = (value, target)  # recomputes on live weights
-                elif recomputed:
-                    output = recompute(work, value, use_reentrant=False)
-                else:
-                    output = work(value)
+            with self.rng.forward() as start:
+                if not training:
+                    with torch.no_grad():
+                        return self._run_and_score(value, None, score=False)
+                output, cuts = self._train_forward(microbatch, inputs, value, target, chunks, start)
         except Exception as error:
             if self._layer < len(self.module):
                 layer = self.module[self._layer]
@@ -218,6 +208,39 @@ class Stage:
             saved = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in saved)
         self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
         return output
+
+    def _train_forward(
+        self,
+        microbatch: int,
+        inputs: tuple[torch.Tensor, ...],
+        value: object,
+        target: object,
+        chunks: int,
+        start: State,
+    ) -> tuple[object, list | None]:
+        """A training forward's output and, for a split backward, its layers' cuts. ``start``
+        is the random stream's state at its start, which a recomputation replays."""
+        # On the last stage the loss is part of the (possibly recomputed) work, so a
+        # checkpointed micro-batch keeps nothing but its inputs.
+        recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
+        cuts: list | None = [] if self.split_backward and not recomputed else None
+        work: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
+        versions = self.versions
+        if versions is not None:  # asynchronous: the weights this micro-batch reads
+            work = self._functional(versions.forward_weights(microbatch), target)
+        ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
+        with ledger, gathering_statistics():
+            if versions is not None and versions.recomputes:
+                output = work(value)  # its graph is dropped: the backward recomputes
+                self._targets[microbatch] = (value, target, start)  # on the live weights
+            elif recomputed:
+                output = recompute(
+                    work, value, use_reentrant=False, preserve_rng_state=False,
+                    context_fn=partial(self.rng.checkpoint_contexts, start),
+                )
+            else:
+                output = work(value)
+        return output, cuts
 
     def _run_and_score(
         self, value: object, target: object, cuts: list | None = None, score: bool = True
@@ -298,9 +321,9 @@ class Stage:
         wanted = [x for x in stashed.inputs if x.requires_grad]
         try:
             if versions.recomputes:
-                value, target = self._targets.pop(microbatch)
+                value, target, start = self._targets.pop(microbatch)
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
-                with torch.enable_grad():
+                with torch.enable_grad(), self.rng.replay(start):
                     out = self._run_and_score(value, target)
                 outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
             outputs = [t for t in outputs_all if t.requires_grad]
