@@ -131,6 +131,16 @@ def _format_of(path: Path) -> str | None:
     return data.get("format") if isinstance(data, dict) else None
 
 
+def _need_matplotlib(instead: str) -> None:
+    """Fail before any work when a picture is asked for but matplotlib is missing."""
+    from pipetrain.gantt import pyplot
+
+    try:
+        pyplot()
+    except ImportError as error:
+        raise UsageError(f"{error} (or {instead})") from None
+
+
 def _save(text: str, path: str) -> None:
     try:
         Path(path).write_text(text + "\n")
@@ -343,6 +353,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.png:
+        _need_matplotlib("leave out --png")
     source = args.source
     is_plan = (
         not source.startswith(PIPEDREAM_PREFIX)
@@ -448,6 +460,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     """Merge a run's per-rank traces; draw the measured step beside its simulated twin."""
     from pipetrain.trace import report
 
+    if not args.no_png:
+        _need_matplotlib("pass --no-png")
     result = report(args.folder, png=not args.no_png, step=args.step)
     print(
         f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
