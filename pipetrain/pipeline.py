@@ -31,7 +31,7 @@ from pipetrain.executor import Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
 from pipetrain.progress import Progress, logger, peak_memory
-from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
+from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop, default_checkpoint
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.weights import WeightVersions, check_predictable
@@ -101,7 +101,9 @@ class Pipeline:
 
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
-    model is refused. Defaults otherwise: 1 chunk, "1f1b", "except_last".
+    model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
+    schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
+    ``checkpoint`` holds the mode in force.
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
@@ -174,7 +176,7 @@ class Pipeline:
                 "weight_stashing and weight_prediction apply to the asynchronous schedules "
                 f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
             )
-        checkpoint = checkpoint or ("never" if asynchronous else "except_last")
+        checkpoint = checkpoint or default_checkpoint(schedule)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
@@ -188,7 +190,7 @@ class Pipeline:
         parts = split(model, balance)
         ties = tied_parameters(model, balance)
         self.balance = list(balance)
-        self.chunks, self.timeout = chunks, timeout
+        self.chunks, self.timeout, self.checkpoint = chunks, timeout, checkpoint
         if devices is not None and schedule not in MULTI_STAGE_PER_RANK:
             if len(devices) != len(parts):
                 raise ValueError(
