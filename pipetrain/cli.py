@@ -38,6 +38,7 @@ from partitioner import (
 )
 from partitioner.costs import StageCost, evaluate, problem_from_profile
 from partitioner.units import parse_bandwidth
+from pipetrain import __version__
 from schedules import GENERATORS, Simulation
 
 PROG = "pipetrain"
@@ -540,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

@@ -1,10 +1,12 @@
 """Per-step metrics and their report: one line per step on rank 0, redrawn in place on a
-terminal, plain lines in a log; plus pipetrain's logger, quiet unless made verbose."""
+terminal (within its width), plain lines in a log; plus pipetrain's logger, quiet unless made
+verbose."""
 
 from __future__ import annotations
 
 import logging
 import resource
+import shutil
 import sys
 from typing import TextIO
 
@@ -14,13 +16,20 @@ logger = logging.getLogger("pipetrain")
 logger.addHandler(logging.NullHandler())
 
 
+_handler: logging.Handler | None = None  # verbose()'s, replaced when it is called again
+
+
 def verbose(level: int = logging.INFO, rank: int | None = None) -> None:
-    """Log pipetrain's events to stderr, each line prefixed with this rank."""
+    """Log pipetrain's events to stderr, each line prefixed with this rank. Calling it again
+    changes the level or rank; every event is still printed once."""
+    global _handler
     if rank is None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
-    logger.addHandler(handler)
+    if _handler is not None:
+        logger.removeHandler(_handler)
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+    logger.addHandler(_handler)
     logger.setLevel(level)
 
 
@@ -39,27 +48,41 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
 
-    def line(self, metrics: dict) -> str:
+    def line(self, metrics: dict, width: int | None = None) -> str:
+        """The step's metrics in one line. Within ``width`` characters (if given): the
+        per-stage figures shrink to their range, then the line is cut."""
         bubbles = metrics["stage_bubble"]
         memory = metrics["stage_peak_memory"]
         rate = metrics.get("samples_per_second")
-        parts = [
+        head = [
             f"step {metrics['step']}" + (f"/{self.total}" if self.total else ""),
             f"loss {metrics['loss']:.4f}",
             f"{rate:,.0f} samples/s" if rate else f"{metrics['step_time'] * 1e3:.1f} ms/step",
+        ]
+        text = " | ".join([
+            *head,
             "bubble " + " ".join(f"{b:.0%}" for b in bubbles),
             "peak " + " ".join(f"{m / 2**20:.0f}MiB" for m in memory),
-        ]
-        return " | ".join(parts)
+        ])
+        if width is None or len(text) <= width:
+            return text
+        text = " | ".join([
+            *head,
+            f"bubble {min(bubbles):.0%}-{max(bubbles):.0%}",
+            f"peak max {max(memory) / 2**20:.0f}MiB",
+        ])
+        return text if len(text) <= width else text[: width - 1] + "…"
 
     def update(self, metrics: dict) -> None:
-        text = self.line(metrics)
         if self.tty:
+            bar = ""
             if self.total:
                 done = int(20 * metrics["step"] / self.total)
-                text = f"[{'#' * done}{'.' * (20 - done)}] {text}"
+                bar = f"[{'#' * done}{'.' * (20 - done)}] "
+            width = shutil.get_terminal_size().columns - 1  # the last column would wrap
+            text = bar + self.line(metrics, width - len(bar))
             end = "\n" if self.total and metrics["step"] >= self.total else ""
             self.stream.write("\r\033[K" + text + end)
         else:
-            self.stream.write(text + "\n")
+            self.stream.write(self.line(metrics) + "\n")
         self.stream.flush()
