@@ -30,7 +30,7 @@ from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
-from pipetrain.progress import Progress, logger, peak_memory
+from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop, default_checkpoint
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
@@ -109,7 +109,10 @@ class Pipeline:
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
     writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
     rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
-    for a bar); ``metrics`` holds them after every step on every rank.
+    for a bar); ``metrics`` holds them after every step on every rank. Its ``peak_memory`` has
+    a figure per device of this process ("cuda:N": the GPU's peak allocation, "cpu(process)":
+    the process's peak resident set, which stages sharing the process share), and on the
+    first rank of a multi-process run with ``progress``, one per rank ("rankN").
     ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
     steps are done), and with ``checkpoint_every=N`` saves one every N steps.
     Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
@@ -409,8 +412,11 @@ class Pipeline:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
         bubbles = [1.0 - e.compute_time / step_time for e in executors]
         memory = [float(peak_memory(s.device)) for s in self.stages]
+        # One figure per device this process tells apart; a CPU's is the whole process's.
+        peaks = {memory_label(s.device): m for s, m in zip(self.stages, memory, strict=True)}
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
+            peaks = {f"rank{r}": m for r, m in zip(self._ranks, memory, strict=True)}
         self.metrics = {
             "step": self.step,
             "loss": loss,
@@ -418,6 +424,7 @@ class Pipeline:
             "samples_per_second": size / step_time if size else None,
             "stage_bubble": bubbles,
             "stage_peak_memory": memory,
+            "peak_memory": peaks,
         }
         logger.debug("step %d: %s", self.step, self.metrics)
         if self._progress is not None and self._coordinator:

@@ -33,6 +33,12 @@ def verbose(level: int = logging.INFO, rank: int | None = None) -> None:
     logger.setLevel(level)
 
 
+def memory_label(device: torch.device) -> str:
+    """What a peak_memory figure measures: a GPU's own allocations, or the whole process on a
+    CPU (every stage this process runs on the CPU shares that figure)."""
+    return str(device) if device.type == "cuda" else "cpu(process)"
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes: allocated on the GPU, else this process's maximum resident set."""
     if device.type == "cuda":
@@ -52,7 +58,7 @@ class Progress:
         """The step's metrics in one line. Within ``width`` characters (if given): the
         per-stage figures shrink to their range, then the line is cut."""
         bubbles = metrics["stage_bubble"]
-        memory = metrics["stage_peak_memory"]
+        memory = metrics["peak_memory"]
         rate = metrics.get("samples_per_second")
         head = [
             f"step {metrics['step']}" + (f"/{self.total}" if self.total else ""),
@@ -62,14 +68,14 @@ class Progress:
         text = " | ".join([
             *head,
             "bubble " + " ".join(f"{b:.0%}" for b in bubbles),
-            "peak " + " ".join(f"{m / 2**20:.0f}MiB" for m in memory),
+            "peak " + " ".join(f"{where}={m / 2**20:.0f}MiB" for where, m in memory.items()),
         ])
         if width is None or len(text) <= width:
             return text
         text = " | ".join([
             *head,
             f"bubble {min(bubbles):.0%}-{max(bubbles):.0%}",
-            f"peak max {max(memory) / 2**20:.0f}MiB",
+            f"peak max {max(memory.values()) / 2**20:.0f}MiB",
         ])
         return text if len(text) <= width else text[: width - 1] + "…"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import resource
 
 import pytest
 from torch import nn
@@ -276,6 +277,18 @@ def test_metrics_and_progress_lines(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == STEPS and lines[-1].startswith(f"step {STEPS}/{STEPS} | loss")
 
+
+
+def test_single_process_mode_reports_memory_per_device(capsys):
+    """Two CPU stages in one process: one memory figure, labelled as the process's (the
+    process's peak resident set, which the stages share), not the same figure per stage."""
+    pipe = pipeline(mlp(), [6, 6], chunks=4, progress=True)
+    pipe.train_step(*batches(1)[0])
+    peaks = pipe.metrics["peak_memory"]
+    assert list(peaks) == ["cpu(process)"]
+    assert 0 < peaks["cpu(process)"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(f" | peak cpu(process)={peaks['cpu(process)'] / 2**20:.0f}MiB"), line
 
 class _Terminal(io.StringIO):
     """What Progress writes to a terminal, kept (a StringIO that says it is a terminal)."""
