@@ -26,8 +26,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    parser.add_argument("--checkpoint", default="except_last",
-                        choices=["never", "except_last", "always"])
+    parser.add_argument("--checkpoint", default=None, choices=["never", "except_last", "always"],
+                        help="activation recomputation (default: what the schedule needs, "
+                        "except_last under gpipe, never under 1f1b)")
     args = parser.parse_args()
 
     rank, world = pipetrain.init_distributed()

@@ -33,9 +33,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from partitioner.errors import PlanFileError, PlanMismatchError
+from partitioner.fields import typed
 
 FORMAT = "pipetrain-plan"
 VERSION = 1
@@ -184,12 +185,11 @@ class Plan:
                 f"plan version {data.get('version')!r} is not supported (this pipetrain reads "
                 f"version {VERSION}); re-run `pipetrain plan`"
             )
-        stages = [_stage_from_dict(s, t) for t, s in enumerate(_field(data, "per_stage", "plan"))]
-        values = {
-            f.name: _field(data, f.name, "plan")
-            for f in fields(cls)
-            if f.name not in ("per_stage", "host")
-        }
+        stages = [
+            _stage_from_dict(s, t)
+            for t, s in enumerate(typed(data, "per_stage", list, "plan", PlanFileError))
+        ]
+        values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"))
         return cls(**{**values, "per_stage": stages, "host": _host_from_dict(data.get("host"))})
 
     def save(self, path: str | Path) -> None:
@@ -205,24 +205,37 @@ class Plan:
             raise PlanFileError(f"{path}: {err}") from None
 
 
-def _field(data: dict[str, Any], key: str, where: str) -> Any:
-    if key not in data:
-        raise PlanFileError(f"{where} is missing the field {key!r}")
-    return data[key]
+def _typed_fields(
+    cls: type, data: dict[str, Any], where: str, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` read from ``data``, each of the type ``cls`` declares."""
+    hints = get_type_hints(cls)
+    return {
+        f.name: typed(data, f.name, hints[f.name], where, PlanFileError)
+        for f in fields(cls)
+        if f.name not in skip
+    }
 
 
 def _host_from_dict(data: Any) -> Host:
     if data is None:
         return Host()
+    if not isinstance(data, dict):
+        raise PlanFileError(f"plan's host must be an object, got {data!r}")
+    hints = get_type_hints(Host)
+    values = {
+        f.name: typed(data, f.name, hints[f.name], "plan's host", PlanFileError, f.default)
+        for f in fields(Host)
+    }
     try:
-        return Host(**data)
-    except (TypeError, ValueError) as err:
+        return Host(**values)
+    except ValueError as err:
         raise PlanFileError(f"plan's host {data!r} is not valid: {err}") from None
 
 
 def _stage_from_dict(data: Any, index: int) -> StagePlan:
     if not isinstance(data, dict):
         raise PlanFileError(f"stage {index} must be an object")
-    values = {f.name: _field(data, f.name, f"stage {index}") for f in fields(StagePlan)}
+    values = _typed_fields(StagePlan, data, f"stage {index}")
     values["layers"] = tuple(values["layers"])
     return StagePlan(**values)

@@ -28,12 +28,13 @@ whose outputs cross the cut after layer i (a branched graph), and whether the cu
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from partitioner.errors import ProfileError
+from partitioner.fields import typed
 
 FORMAT = "pipetrain-profile"
 VERSION = 1
@@ -154,31 +155,20 @@ class Profile:
             raise ProfileError(f"{path}: {err}") from None
 
 
-_LAYER_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "name": str,
-    "forward": (int, float),
-    "backward": (int, float),
-    "activation_bytes": int,
-    "param_count": int,
-    "param_bytes": int,
-}
-
-
-def _require(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in data:
-        raise ProfileError(f"{where} is missing the field {key!r}")
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ProfileError(f"{where}: field {key!r} has the wrong type ({value!r})")
-    return value
+def _require(
+    data: Mapping[str, Any], key: str, hint: Any, where: str, default: Any = MISSING
+) -> Any:
+    return typed(data, key, hint, where, ProfileError, default)
 
 
 def _layer_from_dict(data: Any, index: int) -> LayerCost:
     where = f"layer {index}"
     if not isinstance(data, dict):
         raise ProfileError(f"{where} must be an object")
-    values = {key: _require(data, key, kind, where) for key, kind in _LAYER_FIELDS.items()}
-    values["optimizer_state_bytes"] = data.get("optimizer_state_bytes", 0)
+    hints = get_type_hints(LayerCost)
+    values = {
+        f.name: _require(data, f.name, hints[f.name], where, f.default) for f in fields(LayerCost)
+    }
     try:
         return LayerCost(**values)
     except ValueError as err:
@@ -195,8 +185,9 @@ def _boundaries_from_list(data: Any) -> list[Boundary] | None:
         where = f"boundary {cut}"
         if not isinstance(item, dict):
             raise ProfileError(f"{where} must be an object")
-        sources: Sequence[int] = _require(item, "sources", list, where)
-        out.append(Boundary(tuple(int(s) for s in sources), bool(item.get("allowed", True))))
+        sources: list[int] = _require(item, "sources", list[int], where)
+        allowed: bool = _require(item, "allowed", bool, where, True)
+        out.append(Boundary(tuple(sources), allowed))
     return out
 
 
@@ -215,7 +206,7 @@ def _profile_from_dict(data: Mapping[str, Any]) -> Profile:
             device=_require(data, "device", str, "profile"),
             batch_size=_require(data, "batch_size", int, "profile"),
             layers=[_layer_from_dict(layer, i) for i, layer in enumerate(layers)],
-            input_bytes=int(data.get("input_bytes", 0)),
+            input_bytes=_require(data, "input_bytes", int, "profile", 0),
             boundaries=_boundaries_from_list(data.get("boundaries")),
             version=version,
         )

@@ -1,10 +1,17 @@
 """pipetrain: pipeline-parallel training of nn.Sequential models."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from pipetrain.checkpointing import consolidate
 from pipetrain.distributed import init_distributed
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+
+try:
+    __version__ = version("pipetrain")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CommunicationTimeout",
@@ -12,6 +19,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "StageError",
+    "__version__",
     "consolidate",
     "init_distributed",
     "profile",

@@ -139,11 +139,15 @@ def save(
 
 def _prune(root: Path, keep: Path) -> None:
     """Remove all but the KEEP most recently saved checkpoints, never ``keep`` (the one
-    ``latest`` names). Save order is the manifests' write order, not the step number: a run
-    restarted from scratch saves small steps after large ones."""
+    ``latest`` names), and every other checkpoint of ``keep``'s step, which it supersedes (a
+    step saved again leaves one checkpoint of it). Save order is the manifests' write order,
+    not the step number: a run restarted from scratch saves small steps after large ones."""
     complete = [p for p in root.glob("step-*") if (p / "manifest.json").exists()]
     complete.sort(key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
-    for old in complete[:-KEEP]:
+    step = keep.name.partition(".")[0]
+    superseded = [p for p in complete if p != keep and p.name.partition(".")[0] == step]
+    complete = [p for p in complete if p not in superseded]
+    for old in superseded + complete[:-KEEP]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
 

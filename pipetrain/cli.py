@@ -38,6 +38,7 @@ from partitioner import (
     predict,
     stage_costs,
 )
+from pipetrain import __version__
 from schedules import GENERATORS, Simulation
 
 PROG = "pipetrain"
@@ -129,6 +130,16 @@ def _format_of(path: Path) -> str | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     return data.get("format") if isinstance(data, dict) else None
+
+
+def _need_matplotlib(instead: str) -> None:
+    """Fail before any work when a picture is asked for but matplotlib is missing."""
+    from pipetrain.gantt import pyplot
+
+    try:
+        pyplot()
+    except ImportError as error:
+        raise UsageError(f"{error} (or {instead})") from None
 
 
 def _save(text: str, path: str) -> None:
@@ -397,6 +408,8 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.png:
+        _need_matplotlib("leave out --png")
     c = _plan_costs(args) if _is_plan(args.source) else _profile_costs(args)
     try:
         result = predict(
@@ -422,6 +435,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     """Merge a run's per-rank traces; draw the measured step beside its simulated twin."""
     from pipetrain.trace import report
 
+    if not args.no_png:
+        _need_matplotlib("pass --no-png")
     result = report(args.folder, png=not args.no_png, step=args.step)
     print(
         f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
@@ -532,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_profile_command(sub)

@@ -4,29 +4,34 @@ With one stage per rank a row is a stage; when a rank holds several stages (inte
 bar is labelled with its stage.
 
 Measured traces and simulated schedules are both lists of Spans, so they draw alike and can be
-put side by side. Needs matplotlib (`pip install pipetrain[viz]`), imported only here.
+put side by side. Needs matplotlib (`pip install "pipetrain[viz]"`), imported only here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from schedules import Kind, Span, bubble_fraction
 
 
-def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path:
-    """One panel per (title, spans), stacked, sharing the time axis (ms from each panel's
-    start). Forward bars are light, backward bars dark, optimizer steps grey."""
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files; an ImportError naming the extra to install."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise RuntimeError(
-            "drawing needs matplotlib: pip install matplotlib (or pipetrain[viz])"
-        ) from error
+        raise ImportError('drawing needs matplotlib: pip install "pipetrain[viz]"') from error
+    return plt
+
+
+def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path:
+    """One panel per (title, spans), stacked, sharing the time axis (ms from each panel's
+    start). Forward bars are light, backward bars dark, optimizer steps grey."""
+    plt = pyplot()
     rows = max((s.lane for _, spans in panels for s in spans), default=0) + 1
     by_rank = any(s.rank is not None for _, spans in panels for s in spans)
     micro = max((s.action.microbatch for _, spans in panels for s in spans), default=0) + 1

@@ -31,9 +31,16 @@ from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
 from pipetrain.precision import LossScaler
-from pipetrain.progress import Progress, logger, peak_memory
+from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
-from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage, checkpoint_stop
+from pipetrain.stage import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    Stage,
+    checkpoint_stop,
+    default_checkpoint,
+)
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.update import Update, check_options, learning_rate
@@ -104,13 +111,18 @@ class Pipeline:
 
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
-    model is refused. Defaults otherwise: 1 chunk, "1f1b", "except_last".
+    model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
+    schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
+    ``checkpoint`` holds the mode in force.
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
     writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
     rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
-    for a bar); ``metrics`` holds them after every step on every rank.
+    for a bar); ``metrics`` holds them after every step on every rank. Its ``peak_memory`` has
+    a figure per device of this process ("cuda:N": the GPU's peak allocation, "cpu(process)":
+    the process's peak resident set, which stages sharing the process share), and on the
+    first rank of a multi-process run with ``progress``, one per rank ("rankN").
     ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
     steps are done), and with ``checkpoint_every=N`` saves one every N steps.
     Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
@@ -194,7 +206,7 @@ class Pipeline:
                 "weight_stashing and weight_prediction apply to the asynchronous schedules "
                 f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
             )
-        checkpoint = checkpoint or ("never" if asynchronous else "except_last")
+        checkpoint = checkpoint or default_checkpoint(schedule)
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
@@ -211,7 +223,7 @@ class Pipeline:
         parts = split(model, balance)
         ties = tied_parameters(model, balance)
         self.balance = list(balance)
-        self.chunks, self.timeout = chunks, timeout
+        self.chunks, self.timeout, self.checkpoint = chunks, timeout, checkpoint
         if devices is not None and schedule not in MULTI_STAGE_PER_RANK:
             if len(devices) != len(parts):
                 raise ValueError(
@@ -451,8 +463,11 @@ class Pipeline:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
         bubbles = [1.0 - e.compute_time / step_time for e in executors]
         memory = [float(peak_memory(s.device)) for s in self.stages]
+        # One figure per device this process tells apart; a CPU's is the whole process's.
+        peaks = {memory_label(s.device): m for s, m in zip(self.stages, memory, strict=True)}
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
+            peaks = {f"rank{r}": m for r, m in zip(self._ranks, memory, strict=True)}
         self.metrics = {
             "step": self.step,
             "loss": loss,
@@ -460,6 +475,7 @@ class Pipeline:
             "samples_per_second": size / step_time if size else None,
             "stage_bubble": bubbles,
             "stage_peak_memory": memory,
+            "peak_memory": peaks,
             **extra,
         }
         logger.debug("step %d: %s", self.step, self.metrics)

@@ -41,6 +41,15 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
     return stops[mode]
 
 
+def default_checkpoint(schedule: str) -> str:
+    """The recompute mode a schedule gets unless told otherwise. GPipe holds every
+    micro-batch's activations until its backwards start, so it recomputes all but the last
+    micro-batch ("except_last"); 1F1B, interleaved, zero-bubble and the asynchronous schedules
+    hold at most about a pipeline depth of micro-batches, where recomputing costs throughput
+    (a quarter of it under 1F1B) for little memory, so they keep activations ("never")."""
+    return "except_last" if schedule == "gpipe" else "never"
+
+
 # W's work for one micro-batch: (tensors, their gradients, the weights to reach from them)
 _WeightWork = tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]
 

@@ -278,3 +278,63 @@ def test_simulate_draws_the_timeline(tmp_path, capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert png.stat().st_size > 10_000 and "timeline picture" in out.out
+
+
+def test_wrongly_typed_json_fields_exit_2_with_one_line(profile_path, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    assert run(f"plan {profile_path} --stages 2 --microbatches 2 -o {plan_path}", capsys)[0] == 0
+    good_plan = json.loads(plan_path.read_text())
+    good_profile = json.loads(profile_path.read_text())
+
+    def broken(data: dict, edit, name: str) -> Path:
+        data = json.loads(json.dumps(data))
+        edit(data)
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return path
+
+    cases = [
+        ("simulate", broken(good_plan, lambda d: d.update(balance="2,2,1,11"), "p1.json"),
+         "field 'balance' must be list[int], got '2,2,1,11'"),
+        ("simulate", broken(good_plan, lambda d: d.update(microbatches=4.5), "p2.json"),
+         "field 'microbatches' must be int"),
+        ("simulate", broken(good_plan, lambda d: d["per_stage"][0].update(layers="0,3"),
+                            "p3.json"), "stage 0: field 'layers' must be tuple[int, int]"),
+        ("plan", broken(good_profile, lambda d: d["layers"][1].update(optimizer_state_bytes="8"),
+                        "f1.json"), "layer 1: field 'optimizer_state_bytes' must be int"),
+        ("plan", broken(good_profile, lambda d: d.update(input_bytes=2.5), "f2.json"),
+         "field 'input_bytes' must be int, got 2.5"),
+    ]
+    for verb, path, expected in cases:
+        options = "--stages 2 --microbatches 2" if verb == "plan" else ""
+        code, out, err = run(f"{verb} {path} {options}", capsys)
+        assert code == 2, (path, out)
+        assert expected in err, (path, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pictures_without_matplotlib_name_the_extra(tmp_path, capsys, monkeypatch):
+    """matplotlib made unimportable (None in sys.modules, as the import system reads it): a
+    picture request is one line naming the `viz` extra, exit status 2; --no-png still works."""
+    from pipetrain import Pipeline
+    from tests.runtime.models import batches, mlp, sgd
+
+    pipe = Pipeline(mlp(), [6, 6], chunks=2, devices=["cpu", "cpu"], trace=tmp_path / "t",
+                    loss_fn=torch.nn.functional.cross_entropy, optimizer=sgd)
+    for x, y in batches(1):
+        pipe.train_step(x, y)
+    pipe.save_trace()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    simulate = "simulate pipedream:vgg16 --balance 10,10,10,10 --microbatches 4"
+    for command, instead in [
+        (f"trace {tmp_path / 't'}", "pass --no-png"),
+        (f"{simulate} --png {tmp_path / 'sim.png'}", "leave out --png"),
+    ]:
+        code, out, err = run(command, capsys)
+        assert code == 2, err
+        assert err.splitlines() == [
+            f'pipetrain {command.split()[0]}: error: drawing needs matplotlib: '
+            f'pip install "pipetrain[viz]" (or {instead})'
+        ]
+    code, out, err = run(f"trace {tmp_path / 't'} --no-png", capsys)
+    assert code == 0 and "2 ranks, 1 steps traced" in out, err

@@ -87,6 +87,22 @@ def test_a_run_restarted_from_scratch_keeps_its_newest_checkpoint(tmp_path):
     assert pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path).step == 1
 
 
+def test_saving_a_step_again_leaves_one_checkpoint_of_it(tmp_path):
+    pipe = pipeline(mlp(), [6, 6])
+    pipe.train_step(*DATA[0])
+    pipe.save(tmp_path)
+    pipe.train_step(*DATA[1])
+    for _ in range(3):  # step 2, saved three times (e.g. checkpoint_every, then save())
+        pipe.save(tmp_path)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert len(names) == 3 and names[:2] == ["latest", "step-00000001"], names
+        assert names[2].startswith("step-00000002")
+        assert checkpointing.latest(tmp_path).name == names[2]
+    again = pipeline(mlp(seed=5), [6, 6], checkpoint_dir=tmp_path)
+    assert again.step == 2
+    assert_bit_equal(again.module.state_dict(), pipe.module.state_dict())
+
+
 def _train_in_processes(rank: int, world: int, folder: str | None, steps: int):
     """Train (resuming from ``folder`` if it holds a checkpoint) up to ``steps`` steps."""
     balance = [4, 8] if world == 2 else [3, 3, 3, 3]

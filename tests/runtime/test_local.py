@@ -81,3 +81,38 @@ def test_adam_and_tuple_inputs_on_the_first_stage():
         opt.step()
     for key, value in ref.state_dict().items():
         assert (pipe.module.state_dict()[key] - value).abs().max().item() <= TOLERANCE
+
+
+def test_checkpoint_default_follows_the_schedule():
+    """GPipe recomputes all but the last micro-batch unless told otherwise; 1F1B, interleaved,
+    zero-bubble and asynchronous schedules keep their activations. Precedence: the argument,
+    then the plan's choice, then the schedule's default. The bytes each stage keeps for
+    backward show the mode at work, not only its name."""
+    from partitioner import plan as make_plan
+
+    x, y = batches(1)[0]
+
+    def kept(schedule: str, balance=(6, 6), devices=2, **options) -> tuple[str, list[int]]:
+        pipe = pipetrain.Pipeline(
+            mlp(), list(balance), chunks=4, schedule=schedule, devices=["cpu"] * devices,
+            loss_fn=nn.functional.cross_entropy, optimizer=sgd, track_memory=True, **options,
+        )
+        pipe.train_step(x, y)
+        assert {s.checkpoint for s in pipe.stages} == {pipe.checkpoint}
+        return pipe.checkpoint, [s.ledger.peak_bytes for s in pipe.stages]
+
+    gpipe = kept("gpipe")
+    assert gpipe == kept("gpipe", checkpoint="except_last") and gpipe[0] == "except_last"
+    never = kept("gpipe", checkpoint="never")[1]
+    assert all(a < b for a, b in zip(gpipe[1], never, strict=True))
+    for schedule, balance in [("1f1b", (6, 6)), ("interleaved", (3, 3, 3, 3)),
+                              ("zb-h1", (6, 6)), ("pipedream", (6, 6))]:
+        mode, peaks = kept(schedule, balance)
+        assert mode == "never", schedule
+        if schedule != "pipedream":  # asynchronous schedules refuse recomputation
+            always = kept(schedule, balance, checkpoint="always")[1]
+            assert all(a > b for a, b in zip(peaks, always, strict=True)), schedule
+    measured = pipetrain.profile(mlp(), x[:6], warmup=0, repeats=1)
+    plan = make_plan(measured, stages=2, microbatches=4, schedule="gpipe", checkpoint="always")
+    assert kept("gpipe", plan.balance, plan=plan)[0] == "always"
+    assert kept("gpipe", plan.balance, plan=plan, checkpoint="never")[0] == "never"

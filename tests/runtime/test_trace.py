@@ -3,13 +3,16 @@ each micro-batch's work runs in dependency order across stages."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
+import resource
 
 import pytest
 from torch import nn
 
 import pipetrain
+from pipetrain.progress import Progress
 from pipetrain.trace import (
     RankTrace,
     drawn_costs,
@@ -273,3 +276,39 @@ def test_metrics_and_progress_lines(capsys):
     assert len(metrics["stage_bubble"]) == 2 and all(0 <= b < 1 for b in metrics["stage_bubble"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == STEPS and lines[-1].startswith(f"step {STEPS}/{STEPS} | loss")
+
+
+
+def test_single_process_mode_reports_memory_per_device(capsys):
+    """Two CPU stages in one process: one memory figure, labelled as the process's (the
+    process's peak resident set, which the stages share), not the same figure per stage."""
+    pipe = pipeline(mlp(), [6, 6], chunks=4, progress=True)
+    pipe.train_step(*batches(1)[0])
+    peaks = pipe.metrics["peak_memory"]
+    assert list(peaks) == ["cpu(process)"]
+    assert 0 < peaks["cpu(process)"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(f" | peak cpu(process)={peaks['cpu(process)'] / 2**20:.0f}MiB"), line
+
+class _Terminal(io.StringIO):
+    """What Progress writes to a terminal, kept (a StringIO that says it is a terminal)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_fits_the_terminal(monkeypatch):
+    """8 stages on an 80-column terminal (shutil reads COLUMNS): every redrawn line fits; a log
+    (no terminal) keeps every stage's figures."""
+    pipe = pipeline(mlp(), [2, 2, 1, 1, 1, 1, 2, 2], chunks=8)
+    monkeypatch.setenv("COLUMNS", "80")
+    shown, log = Progress(total=2, stream=_Terminal()), Progress(total=2, stream=io.StringIO())
+    for x, y in batches(2):
+        pipe.train_step(x, y)
+        shown.update(pipe.metrics)
+        log.update(pipe.metrics)
+    drawn = [line.removeprefix("\033[K") for line in shown.stream.getvalue().split("\r")[1:]]
+    assert len(drawn) == 2 and all(len(line.rstrip("\n")) < 80 for line in drawn), drawn
+    assert drawn[-1].startswith("[####################] step 2/2 | loss")
+    logged = log.stream.getvalue().splitlines()
+    assert all(len(line.split(" | ")[3].split()) == 9 for line in logged)  # "bubble" + 8
