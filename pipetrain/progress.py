@@ -65,16 +65,18 @@ class Progress:
             f"loss {metrics['loss']:.4f}",
             f"{rate:,.0f} samples/s" if rate else f"{metrics['step_time'] * 1e3:.1f} ms/step",
         ]
+        tail = []
         if metrics.get("lr") is not None:
-            head.append(f"lr {metrics['lr']:.3g}")
+            tail.append(f"lr {metrics['lr']:.3g}")
         if metrics.get("grad_norm") is not None:
-            head.append(f"grad norm {metrics['grad_norm']:.3g}")
+            tail.append(f"grad norm {metrics['grad_norm']:.3g}")
         if metrics.get("skipped_step"):
-            head.append(f"overflow: step skipped, loss scale {metrics['loss_scale']:g}")
+            tail.append(f"overflow: step skipped, loss scale {metrics['loss_scale']:g}")
         text = " | ".join([
             *head,
             "bubble " + " ".join(f"{b:.0%}" for b in bubbles),
             "peak " + " ".join(f"{where}={m / 2**20:.0f}MiB" for where, m in memory.items()),
+            *tail,
         ])
         if width is None or len(text) <= width:
             return text
@@ -82,6 +84,7 @@ class Progress:
             *head,
             f"bubble {min(bubbles):.0%}-{max(bubbles):.0%}",
             f"peak max {max(memory.values()) / 2**20:.0f}MiB",
+            *tail,
         ])
         return text if len(text) <= width else text[: width - 1] + "…"
 
