@@ -280,6 +280,7 @@ class Pipeline:
         self._progress = Progress(None if progress is True else int(progress)) if progress else None
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
+        self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
         if checkpoint_dir is not None:
             self.load(checkpoint_dir)
@@ -380,18 +381,21 @@ class Pipeline:
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
         return checkpointing.save(
-            folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages
+            folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages,
+            self._protected,
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
         """Restore the newest checkpoint in ``folder`` (made under any balance); return its
         step, or None if there is none. Every rank calls it."""
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
-        step = checkpointing.load(folder, self.stages)
-        if step is not None:
-            self.step = step
-            logger.info("resumed from step %d of %s", step, folder)
-        return step
+        resumed = checkpointing.load(folder, self.stages)
+        if resumed is None:
+            return None
+        self.step, path = resumed
+        self._protected = checkpointing.saved_after(path)
+        logger.info("resumed from step %d of %s", self.step, folder)
+        return self.step
 
     @property
     def _coordinator(self) -> bool:
