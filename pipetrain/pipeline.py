@@ -160,6 +160,11 @@ class Pipeline:
             checkpoint = checkpoint or plan.checkpoint
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(
+                f"timeout must be a positive number of seconds (how long a stage waits for a "
+                f"peer before giving up), got {timeout!r}"
+            )
         chunks = 1 if chunks is None else chunks
         schedule = schedule or "1f1b"
         asynchronous = schedule in ("pipedream", "pipedream-2bw")
