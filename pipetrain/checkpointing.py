@@ -192,7 +192,7 @@ def latest(folder: str | os.PathLike) -> Path | None:
         f"{pointer} is missing"
     )
     warnings.warn(
-        f"{why}: resuming from {complete[-1].name}, the newest complete checkpoint in {root}",
+        f"{why}: using {complete[-1].name}, the newest complete checkpoint in {root}",
         stacklevel=2,
     )
     return complete[-1]
@@ -216,7 +216,7 @@ def _read_stage(file: Path, device: torch.device) -> dict:
         payload = torch.load(file, map_location=device, weights_only=True)
     except pickle.UnpicklingError:  # weights_only refused an object: nothing in it was run
         payload = None
-    except (RuntimeError, OSError, EOFError, ValueError) as error:
+    except Exception as error:  # a truncated or garbled file fails anywhere in torch.load
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{file} is damaged (truncated or overwritten?): {first}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:

@@ -48,7 +48,7 @@ def test_deleting_a_bad_latest_resumes_from_the_newest_checkpoint_in_processes(t
 def test_latest_naming_a_missing_step_falls_back_with_a_warning(tmp_path):
     _saved_at(tmp_path, [4, 6])
     (tmp_path / "latest").write_text("step-00000008")
-    with pytest.warns(UserWarning, match="names 'step-00000008'.*resuming from step-00000006"):
+    with pytest.warns(UserWarning, match="names 'step-00000008'.*using step-00000006"):
         assert pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path).step == 6
 
 
