@@ -534,8 +534,15 @@ class Pipeline:
                 dist.all_reduce(value, group=self.placement.replica_group)
                 value /= self.placement.replicas
         except RuntimeError as error:
-            assert isinstance(self.transports[0], DistributedTransport)
-            self.transports[0].raise_failure(error)
+            transport = self.transports[0]
+            assert isinstance(transport, DistributedTransport)
+            try:
+                transport.raise_failure(error)
+            except PeerError as failure:
+                self._failed = f"{type(failure).__name__}: {failure}"
+                transport.abort(f"stage {self.placement.stage} stopped: {failure}")
+                late = f"the loss of step {self.step + 1} did not arrive: {failure}"
+                raise type(failure)(late) from error
         return float(value)
 
 
