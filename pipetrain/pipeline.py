@@ -23,6 +23,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain import checkpointing, microbatch
+from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
@@ -245,6 +246,14 @@ class Pipeline:
             cross = [r for r in rank_sets if len(r) > 1]
             with quiet_io_threads():
                 self.placement = join(group, nranks, replicas, cross, timeout)
+            check_same(
+                fingerprint(
+                    model, balance=self.balance, chunks=chunks, schedule=schedule,
+                    checkpoint=checkpoint, replicas=self.placement.replicas,
+                    weight_stashing=weight_stashing, weight_prediction=weight_prediction,
+                ),
+                self.placement.pipeline_group, self.placement.pipeline_ranks,
+            )
             here = self.schedule.stages_on(self.placement.stage)
             self.stage = here[0]
             ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group

@@ -137,3 +137,28 @@ def test_a_stopped_store_host_times_out_within_the_timeout(tmp_path):
 
 def test_stage_error_is_still_the_root_class():
     assert issubclass(StageError, PipelineError)
+
+
+def _disagreeing(rank: int, world: int, what: str) -> None:
+    balance, chunks, model = [6, 6], 2, mlp()
+    if rank == 1 and what == "balance":
+        balance = [5, 7]
+    if rank == 1 and what == "chunks":
+        chunks = 4
+    if rank == 1 and what == "model":
+        model[8] = nn.Linear(12, 12, bias=False)
+    _pipeline(model, balance, timeout=10, chunks=chunks)
+
+
+@pytest.mark.parametrize(("what", "named"), [
+    ("balance", "balance: [6, 6] here vs [5, 7]"),
+    ("chunks", "chunks: 2 here vs 4"),
+    ("model", "model layer '8: Linear weight(12, 12) float32, bias(12,) float32' here vs"),
+])
+def test_ranks_that_built_different_pipelines_are_refused(what, named):
+    """Today they train silently, with a layer on two stages (balance) or none."""
+    results = run_ranks(_disagreeing, 2, what, deadline=60)
+    status, (kind, message, _) = results[0]
+    assert status == "error" and kind == "ValueError", message
+    assert "rank 0 and rank 1 built different pipelines" in message and named in message, message
+    assert results[1][0] == "error", results[1]
