@@ -11,25 +11,35 @@ A save writes into ``step-N.partial``; each file goes to a temporary name, is fs
 only when every stage's file is there does the coordinator rename the folder to ``step-N``, fsync
 and point ``latest`` at it. A crash anywhere leaves the previous checkpoint whole and ``latest``
 naming it. Loading reads only with ``torch.load(weights_only=True)``.
+
+Resuming takes the checkpoint ``latest`` names if it is complete, else the newest complete one
+(with a warning); a folder with step folders but no complete checkpoint is refused, never
+silently trained over from step 0. A damaged stage file is refused naming it and the newest
+intact checkpoint. Pruning never removes a checkpoint saved after the one a run resumed from.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
+import re
 import shutil
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
 
+from pipetrain.errors import CheckpointError
 from pipetrain.precision import LossScaler
 from pipetrain.stage import Stage
 
 FORMAT = "pipetrain-checkpoint"
 VERSION = 1
 KEEP = 2  # complete checkpoints kept; older ones are removed after a successful save
+_NAME = re.compile(r"step-\d{8,}(\.\d{4})?")  # a checkpoint's folder (``latest`` names one)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -96,9 +106,11 @@ def save(
     coordinator: bool,
     num_stages: int,
     scaler: LossScaler | None = None,
+    protect: Collection[str] = (),
 ) -> Path:
     """Write a checkpoint of ``stages`` (this process's) at ``step``. Every process of the
-    pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes."""
+    pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes and
+    prunes old checkpoints, never those named in ``protect``."""
     root = Path(folder)
     final = _fresh_name(root, step)
     partial = final.with_name(final.name + ".partial")
@@ -132,23 +144,23 @@ def save(
         os.replace(partial, final)
         _fsync_dir(root)
         _write_atomically(root / "latest", lambda p: p.write_text(final.name))
-        _prune(root, keep=final)
+        _prune(root, final, protect)
     barrier()
     return final
 
 
-def _prune(root: Path, keep: Path) -> None:
+def _prune(root: Path, keep: Path, protect: Collection[str]) -> None:
     """Remove all but the KEEP most recently saved checkpoints, never ``keep`` (the one
     ``latest`` names), and every other checkpoint of ``keep``'s step, which it supersedes (a
     step saved again leaves one checkpoint of it). Save order is the manifests' write order,
-    not the step number: a run restarted from scratch saves small steps after large ones."""
-    complete = [p for p in root.glob("step-*") if (p / "manifest.json").exists()]
-    complete.sort(key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
+    not the step number: a run restarted from scratch saves small steps after large ones.
+    Never those in ``protect`` (saved after the one this run resumed from)."""
+    complete = _complete(root)
     step = keep.name.partition(".")[0]
     superseded = [p for p in complete if p != keep and p.name.partition(".")[0] == step]
     complete = [p for p in complete if p not in superseded]
     for old in superseded + complete[:-KEEP]:
-        if old != keep:
+        if old != keep and old.name not in protect:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -163,30 +175,122 @@ def _fresh_name(root: Path, step: int) -> Path:
     return name
 
 
+def _steps(root: Path) -> list[Path]:
+    """The step folders of ``root`` (finished or not; never a save's ``.partial`` leftovers)."""
+    return [p for p in root.glob("step-*") if p.is_dir() and _NAME.fullmatch(p.name)]
+
+
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints of ``root``, oldest first in save order (the manifests' write
+    order, as pruning counts: a run restarted from scratch saves small steps after large ones)."""
+    done = [p for p in _steps(root) if (p / "manifest.json").is_file()]
+    return sorted(done, key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
+
+
 def latest(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder``, or None if there is none."""
-    pointer = Path(folder) / "latest"
-    if not pointer.exists():
+    """The checkpoint to resume from: the one ``latest`` names when it is complete, else the
+    newest complete one (with a warning). None for a folder without checkpoints (a fresh
+    start); CheckpointError when it has step folders but none is complete."""
+    root = Path(folder)
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named and _NAME.fullmatch(named) and (root / named / "manifest.json").is_file():
+        return root / named
+    complete = _complete(root)
+    if not complete:
+        if _steps(root):
+            raise CheckpointError(
+                f"{root} holds step folders but no complete checkpoint (each lacks its "
+                "manifest.json); restore one from a backup, or train from scratch in an empty "
+                "folder"
+            )
         return None
-    path = Path(folder) / pointer.read_text().strip()
-    if not (path / "manifest.json").exists():
-        raise RuntimeError(f"{pointer} names {path.name}, which is incomplete; delete {pointer}")
-    return path
+    why = f"{pointer} names {named!r}, which is not a complete checkpoint" if named else (
+        f"{pointer} is missing"
+    )
+    warnings.warn(
+        f"{why}: using {complete[-1].name}, the newest complete checkpoint in {root}",
+        stacklevel=2,
+    )
+    return complete[-1]
+
+
+def saved_after(path: Path) -> frozenset[str]:
+    """The complete checkpoints next to ``path`` saved after it: a run resumed from ``path``
+    never prunes them (they may hold later work, e.g. when a crash came before ``latest``
+    was updated)."""
+    mine = (path / "manifest.json").stat().st_mtime_ns
+    return frozenset(
+        p.name for p in _complete(path.parent) if (p / "manifest.json").stat().st_mtime_ns > mine
+    )
+
+
+def _read_stage(file: Path, device: torch.device) -> dict:
+    """One stage file, or a CheckpointError naming it and what is wrong with it."""
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    try:
+        payload = torch.load(file, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused an object: nothing in it was run
+        payload = None
+    except Exception as error:  # a truncated or garbled file fails anywhere in torch.load
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{file} is damaged (truncated or overwritten?): {first}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{file} is not a pipetrain checkpoint: it holds objects that pipetrain never "
+            "writes, so it was refused unread"
+        )
+    return payload
+
+
+def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path / 'manifest.json'} is unreadable: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or (
+        manifest.get("version") != VERSION
+    ):
+        raise CheckpointError(f"{path} is not a pipetrain checkpoint of version {VERSION}")
+    return [_read_stage(path / f"stage-{s}.pt", device) for s in range(manifest["stages"])]
 
 
 def _load_files(path: Path, device: torch.device) -> list[dict]:
-    manifest = json.loads((path / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"{path} is not a pipetrain checkpoint of version {VERSION}")
-    return [
-        torch.load(path / f"stage-{s}.pt", map_location=device, weights_only=True)
-        for s in range(manifest["stages"])
-    ]
+    """Every stage file of the checkpoint at ``path``; a damaged one is refused naming it and
+    the newest intact checkpoint of the folder."""
+    try:
+        return _read_checkpoint(path, device)
+    except CheckpointError as error:
+        others = [p for p in reversed(_complete(path.parent)) if p != path]
+        intact = next((p for p in others if _is_intact(p)), None)
+        way_out = (
+            f"the newest intact checkpoint is {intact.name}: delete {path} to resume from it"
+            if intact else f"no other intact checkpoint is in {path.parent}"
+        )
+        raise CheckpointError(f"{error}; {way_out}") from None
+
+
+def _is_intact(path: Path) -> bool:
+    try:
+        _read_checkpoint(path, torch.device("cpu"))
+    except CheckpointError:
+        return False
+    return True
 
 
 def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The newest checkpoint in ``folder`` as one plain state_dict of the original model."""
-    path = latest(folder) or Path(folder)
+    """The newest checkpoint in ``folder`` (or the checkpoint ``folder`` itself) as one plain
+    state_dict of the original model."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a folder; pass a checkpoint folder")
+    path = root if (root / "manifest.json").is_file() else latest(root)
+    if path is None:
+        raise CheckpointError(
+            f"{root} holds no checkpoint; pass the folder given to Pipeline(checkpoint_dir=...) "
+            "or Pipeline.save"
+        )
     merged: dict[str, torch.Tensor] = {}
     for payload in _load_files(path, torch.device("cpu")):  # in stage order: the model's order
         merged.update(payload["module"])
@@ -195,9 +299,9 @@ def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load(
     folder: str | os.PathLike, stages: Sequence[Stage], scaler: LossScaler | None = None
-) -> int | None:
+) -> tuple[int, Path] | None:
     """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
-    any balance); return its step, or None when there is none yet."""
+    any balance); return its step and path, or None when there is none yet."""
     path = latest(folder)
     if path is None:
         return None
@@ -223,7 +327,7 @@ def load(
         saved = by_stage.get(stage.index, {}).get("rng", {}).get("stage")
         if saved is not None:
             stage.rng.load_state_dict(saved)
-    return int(payloads[0]["step"])
+    return int(payloads[0]["step"]), path
 
 
 def _set_rng(state: dict, device: torch.device) -> None:

@@ -39,6 +39,7 @@ from partitioner import (
     stage_costs,
 )
 from pipetrain import __version__
+from pipetrain.errors import CheckpointError
 from schedules import GENERATORS, Simulation
 
 PROG = "pipetrain"
@@ -454,12 +455,21 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Save the newest checkpoint in a folder as one plain state_dict of the whole model."""
+    import warnings
+
     import torch
 
     from pipetrain.checkpointing import consolidate
 
-    state = consolidate(args.folder)
-    torch.save(state, args.output)
+    output = Path(args.output)
+    if not output.parent.is_dir():
+        raise UsageError(f"{output.parent} does not exist; create it or write elsewhere (-o)")
+    with warnings.catch_warnings(record=True) as fell_back:
+        warnings.simplefilter("always")
+        state = consolidate(args.folder)
+    for warning in fell_back:  # e.g. a bad `latest`: say which checkpoint was read, on one line
+        print(f"{PROG} consolidate: warning: {warning.message}", file=sys.stderr)
+    torch.save(state, output)
     print(f"{len(state)} tensors of the whole model written to {args.output}")
     return 0
 
@@ -631,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         return int(args.run(args))
-    except (UsageError, ValueError, OSError) as error:
+    except (UsageError, ValueError, OSError, CheckpointError) as error:
         # ValueError covers the planner's ProfileError, PlanFileError and InfeasibleError.
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)

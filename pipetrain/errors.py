@@ -17,3 +17,7 @@ class PeerError(PipelineError):
 
 class CommunicationTimeout(PeerError):
     """A blocking wait on a peer outlasted the pipeline's timeout."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder or file cannot be used as it is; the message names it and the way out."""

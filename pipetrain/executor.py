@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -208,10 +209,15 @@ class Executor:
                 return
             header = metas is HEADER_META
             peer, number = self.schedule.rank_of(_peer(action)), self._tag(action, header)
-            self._posted[action] = self.transport.recv(metas, peer, number)
             last = self.carry.shapes_in.get(action.stage) if header else None
-            if last is not None:
-                self._guessed[action] = self.transport.recv(last.tensors, peer, self._tag(action))
+            try:
+                self._posted[action] = self.transport.recv(metas, peer, number)
+                if last is not None:
+                    self._guessed[action] = self.transport.recv(
+                        last.tensors, peer, self._tag(action)
+                    )
+            except PeerError as error:
+                self._peer_failed(action, error, "receiving from")
             self._next_recv += 1
 
     def _tag(self, action: Action, header: bool = False) -> int:
@@ -224,18 +230,22 @@ class Executor:
         try:
             return handle.wait(self.timeout)
         except PeerError as error:
-            where = (
-                f"{self._where()} at action {self._position + 1} of "
-                f"{len(self.actions)} ({action}) waiting for stage {action.peer} "
-                f"on micro-batch {action.microbatch}"
-            )
-            if isinstance(error, CommunicationTimeout):
-                raise CommunicationTimeout(
-                    f"{where}: nothing arrived within timeout={self.timeout:g} s. The peer is "
-                    "slow, hung or its schedule differs; raise Pipeline(timeout=...) if it is "
-                    f"only slow. ({error})"
-                ) from error
-            raise PeerError(f"{where}: {error}") from error
+            self._peer_failed(action, error, "waiting for")
+
+    def _peer_failed(self, action: Action, error: PeerError, doing: str) -> NoReturn:
+        """Re-raise a transport's PeerError naming this stage, the peer and the micro-batch."""
+        where = (
+            f"{self._where()} at action {self._position + 1} of "
+            f"{len(self.actions)} ({action}) {doing} stage {action.peer} "
+            f"on micro-batch {action.microbatch}"
+        )
+        if isinstance(error, CommunicationTimeout):
+            raise CommunicationTimeout(
+                f"{where}: nothing arrived within timeout={self.timeout:g} s. The peer is "
+                "slow, hung or its schedule differs; raise Pipeline(timeout=...) if it is "
+                f"only slow. ({error})"
+            ) from error
+        raise PeerError(f"{where}: {error}") from error
 
     def _receive(self, action: Action) -> list[torch.Tensor]:
         self._prefetch()  # every earlier receive is done, so this one is next in line
@@ -355,7 +365,10 @@ class Executor:
                 self._accept(action.matching(), tensors)
             return
         rank = self.schedule.rank_of(peer)
-        handle = self.transport.send(tensors, rank, self._tag(action, header))
+        try:
+            handle = self.transport.send(tensors, rank, self._tag(action, header))
+        except PeerError as error:
+            self._peer_failed(action, error, "sending to")
         self._sends.append((action, handle))
 
     def _do_send(self, action: Action) -> None:

@@ -30,6 +30,8 @@ def batch_size(value: Batch, what: str) -> int:
 def scatter(value: Batch, chunks: int, what: str) -> list[Batch]:
     """``value`` cut into ``chunks`` equal micro-batches; uneven sizes are an error."""
     size = batch_size(value, what)
+    if size == 0:
+        raise ValueError(f"{what} is an empty batch (batch size 0); pass at least {chunks} samples")
     if size % chunks:
         raise ValueError(
             f"{what} has batch size {size}, which chunks={chunks} does not divide; use a batch "

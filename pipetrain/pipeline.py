@@ -23,6 +23,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain import checkpointing, microbatch
+from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
@@ -192,6 +193,11 @@ class Pipeline:
             checkpoint = checkpoint or plan.checkpoint
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(
+                f"timeout must be a positive number of seconds (how long a stage waits for a "
+                f"peer before giving up), got {timeout!r}"
+            )
         chunks = 1 if chunks is None else chunks
         schedule = schedule or "1f1b"
         asynchronous = schedule in ("pipedream", "pipedream-2bw")
@@ -277,6 +283,14 @@ class Pipeline:
             cross = [r for r in rank_sets if len(r) > 1]
             with quiet_io_threads():
                 self.placement = join(group, nranks, replicas, cross, timeout)
+            check_same(
+                fingerprint(
+                    model, balance=self.balance, chunks=chunks, schedule=schedule,
+                    checkpoint=checkpoint, replicas=self.placement.replicas,
+                    weight_stashing=weight_stashing, weight_prediction=weight_prediction,
+                ),
+                self.placement.pipeline_group, self.placement.pipeline_ranks,
+            )
             here = self.schedule.stages_on(self.placement.stage)
             self.stage = here[0]
             ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group
@@ -327,6 +341,7 @@ class Pipeline:
         self._progress = Progress(None if progress is True else int(progress)) if progress else None
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
+        self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
         if checkpoint_dir is not None:
             self.load(checkpoint_dir)
@@ -436,17 +451,20 @@ class Pipeline:
         return checkpointing.save(
             folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages,
             self.scaler,
+            self._protected,
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
         """Restore the newest checkpoint in ``folder`` (made under any balance); return its
         step, or None if there is none. Every rank calls it."""
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
-        step = checkpointing.load(folder, self.stages, self.scaler)
-        if step is not None:
-            self.step = step
-            logger.info("resumed from step %d of %s", step, folder)
-        return step
+        resumed = checkpointing.load(folder, self.stages, self.scaler)
+        if resumed is None:
+            return None
+        self.step, path = resumed
+        self._protected = checkpointing.saved_after(path)
+        logger.info("resumed from step %d of %s", self.step, folder)
+        return self.step
 
     @property
     def _coordinator(self) -> bool:
@@ -596,8 +614,15 @@ class Pipeline:
                 dist.all_reduce(value, group=self.placement.replica_group)
                 value /= self.placement.replicas
         except RuntimeError as error:
-            assert isinstance(self.transports[0], DistributedTransport)
-            self.transports[0].raise_failure(error)
+            transport = self.transports[0]
+            assert isinstance(transport, DistributedTransport)
+            try:
+                transport.raise_failure(error)
+            except PeerError as failure:
+                self._failed = f"{type(failure).__name__}: {failure}"
+                transport.abort(f"stage {self.placement.stage} stopped: {failure}")
+                late = f"the loss of step {self.step + 1} did not arrive: {failure}"
+                raise type(failure)(late) from error
         return float(value)
 
 

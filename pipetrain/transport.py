@@ -14,8 +14,9 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -70,60 +71,133 @@ class _DistributedHandle(Handle):
         return self._tensors
 
 
+STORE_WAIT = 1.0  # seconds a look-up in the rendezvous store may take (its host may be stuck)
+_BREAK_TAG = 2**30  # no message carries it: a receive on it only times out, closing the link
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether a backend error is a timed-out wait (gloo: "Timed out waiting ...",
+    "Operation timed out!", "Application timeout caused pair closure")."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
 class DistributedTransport(Transport):
     """torch.distributed isend/irecv within ``group``; pipeline rank r is global rank
-    ``ranks[r]``."""
+    ``ranks[r]``.
+
+    A stage that stops publishes why under a key of the rendezvous store, then closes its
+    links to every peer (a receive that times out at once makes gloo close the link), so a
+    peer blocked on it fails at once even when this process lives on, and reads the reason
+    there. Every look-up in the store is bounded by STORE_WAIT: the store's host may be the
+    stuck rank."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], device: torch.device):
         self.group = group
         self.ranks = list(ranks)
         self.device = device
         self._store = _default_store()
+        self._store_stuck = False
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         name = getattr(group, "group_name", "pipeline")
         self._key = f"pipetrain/failure/{restart}/{name}"
         self._aborted = False
+        self._reason: str | None = None
+        self._acknowledged = False
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle:
         dst = self.ranks[peer]
         ready = [t.contiguous() for t in tensors]
-        works = [dist.isend(t, dst, group=self.group, tag=tag + k) for k, t in enumerate(ready)]
+        try:
+            works = [dist.isend(t, dst, group=self.group, tag=tag + k) for k, t in enumerate(ready)]
+        except RuntimeError as error:  # the link to a dead peer is already closed
+            self.raise_failure(error)
         return _DistributedHandle(works, ready, self)
 
     def recv(self, metas: Sequence[TensorMeta], peer: int, tag: int) -> Handle:
         src = self.ranks[peer]
         buffers = empty_like_meta(metas, self.device)
-        works = [dist.irecv(t, src, group=self.group, tag=tag + k) for k, t in enumerate(buffers)]
+        try:
+            works = [
+                dist.irecv(t, src, group=self.group, tag=tag + k) for k, t in enumerate(buffers)
+            ]
+        except RuntimeError as error:
+            self.raise_failure(error)
         return _DistributedHandle(works, buffers, self)
 
     def abort(self, reason: str) -> None:
         if self._aborted:
             return
         self._aborted = True
-        if self._store is not None:
+        self._ask(lambda store: store.compare_set(self._key, "", reason))
+        self._close_links()
+        self._await_acknowledgements()
+        dist.destroy_process_group(self.group)
+
+    def _close_links(self) -> None:
+        """Close this rank's link to every peer of the group, so their waits on it fail now."""
+        me = dist.get_rank()
+        for peer in self.ranks:
+            if peer == me:
+                continue
             try:
-                self._store.compare_set(self._key, "", reason)
-            except RuntimeError:  # the store itself is gone: nothing more to tell
+                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=_BREAK_TAG)
+                if probe is not None:
+                    probe.wait(timeout=timedelta(milliseconds=1))
+            except RuntimeError:  # timed out (the link is closed now) or closed already
                 pass
-        dist.destroy_process_group(self.group)  # closes the links: peers' waits fail at once
+
+    def _await_acknowledgements(self) -> None:
+        """Give the peers up to STORE_WAIT to read the reason: when this process ends, the
+        store may end with it (rank 0 hosts it)."""
+        deadline = time.monotonic() + STORE_WAIT
+        while time.monotonic() < deadline:
+            seen = self._ask(lambda store: store.add(self._key + "/seen", 0))
+            if seen is None or seen >= len(self.ranks) - 1:
+                return
+            time.sleep(0.02)
 
     def failure(self) -> str | None:
-        if self._store is None:
-            return None
-        try:
-            if self._store.check([self._key]):
-                return self._store.get(self._key).decode()
-        except RuntimeError:
-            return None
-        return None
+        if self._reason is None:
+            answer = self._ask(
+                lambda store: store.get(self._key) if store.check([self._key]) else None
+            )
+            self._reason = answer.decode() if answer else None
+        return self._reason
 
-    def raise_failure(self, error: RuntimeError) -> None:
+    def _ask(self, call: Callable[[dist.Store], Any]) -> Any:
+        """``call(store)``'s answer, or None when it fails or outlasts STORE_WAIT (then the
+        store counts as stuck and is not asked again)."""
+        if self._store is None or self._store_stuck:
+            return None
+        store = self._store
+        answer: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                answer["value"] = call(store)
+            except RuntimeError:  # the store is gone
+                pass
+
+        thread = threading.Thread(target=ask, name="pipetrain-store", daemon=True)
+        thread.start()
+        thread.join(STORE_WAIT)
+        if thread.is_alive():
+            self._store_stuck = True
+        return answer.get("value")
+
+    def raise_failure(self, error: RuntimeError) -> NoReturn:
         """Turn a backend error into a PeerError that says what happened to whom."""
-        if "Timed out" in str(error) or "timeout" in str(error).lower():
+        if is_timeout(error):
             raise CommunicationTimeout(str(error)) from error
-        time.sleep(0.05)  # the failing peer records its reason just before it closes its links
         reason = self.failure()
+        if reason is None:  # the failing peer records its reason just before it closes links
+            time.sleep(0.05)
+            reason = self.failure()
         if reason:
+            if not self._acknowledged:
+                self._acknowledged = True
+                self._ask(lambda store: store.add(self._key + "/seen", 1))
             raise PeerError(reason) from error
         raise PeerError(
             f"lost the connection to a peer ({error}); its process probably died"

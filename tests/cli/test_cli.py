@@ -338,3 +338,39 @@ def test_pictures_without_matplotlib_name_the_extra(tmp_path, capsys, monkeypatc
         ]
     code, out, err = run(f"trace {tmp_path / 't'} --no-png", capsys)
     assert code == 0 and "2 ranks, 1 steps traced" in out, err
+
+
+@pytest.mark.slow  # five interpreter starts
+def test_consolidate_errors_are_one_line_with_exit_status_2(tmp_path):
+    """Today: tracebacks for a tampered file, a bad `latest`, a missing output folder, and
+    "No such file ... manifest.json" for a folder without a checkpoint (issue 22, item 7)."""
+    from pipetrain import Pipeline
+    from tests.runtime.models import mlp
+
+    def consolidate(folder, output):
+        done = subprocess.run(
+            [sys.executable, "-m", "pipetrain", "consolidate", str(folder), "-o", str(output)],
+            capture_output=True, text=True, timeout=120,
+        )
+        if done.returncode:
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("pipetrain consolidate: error: "), lines
+        return done.returncode, done.stderr
+
+    pipe = Pipeline(mlp(), [6, 6], devices=["cpu", "cpu"])
+    pipe.save(tmp_path / "ckpt")
+    code, err = consolidate(tmp_path / "ckpt", tmp_path / "no" / "m.pt")
+    assert code == 2 and f"{tmp_path / 'no'} does not exist" in err
+    (tmp_path / "empty").mkdir()
+    code, err = consolidate(tmp_path / "empty", tmp_path / "m.pt")
+    assert code == 2 and "holds no checkpoint" in err
+    (tmp_path / "ckpt" / "latest").write_text("../../etc")
+    code, err = consolidate(tmp_path / "ckpt", tmp_path / "m.pt")  # falls back, says so
+    assert code == 0 and "warning: " in err and "using step-00000000" in err
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000000")
+    code, err = consolidate(tmp_path / "ckpt", tmp_path / "m.pt")
+    assert code == 2 and "holds no checkpoint" in err
+    pipe.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "step-00000000" / "stage-1.pt").write_bytes(b"tampered")
+    code, err = consolidate(tmp_path / "ckpt", tmp_path / "m.pt")
+    assert code == 2 and "stage-1.pt is " in err

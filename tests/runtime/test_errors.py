@@ -11,7 +11,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
-from tests.runtime.harness import run_ranks
+from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
 
@@ -218,3 +218,23 @@ def test_eval_step_and_train_step_reject_a_non_tensor_batch_alike(bad, named):
         with pytest.raises(TypeError, match=f"x must be a Tensor or a tuple of Tensors.*{named}"):
             step(bad)
     pipe.train_step(*batches(1)[0])  # a refused batch does not break the pipeline
+
+
+def _bad_input(rank: int, world: int) -> list[str]:
+    options = dict(chunks=2, loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    refused = []
+    with pytest.raises(ValueError) as no_timeout:
+        pipetrain.Pipeline(mlp(), [6, 6], timeout=-1, **options)
+    refused.append(str(no_timeout.value))
+    pipe = pipetrain.Pipeline(mlp(), [6, 6], timeout=30, **options)
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError) as empty:
+        pipe.train_step(x[:0], y[:0])
+    return refused + [str(empty.value)]
+
+
+def test_a_non_positive_timeout_and_an_empty_batch_are_refused():
+    """Today timeout=-1 is accepted and an empty batch returns a NaN loss."""
+    for timeout, empty in values(run_ranks(_bad_input, 2, deadline=60)):
+        assert "timeout must be a positive number of seconds" in timeout and "-1" in timeout
+        assert "empty batch (batch size 0)" in empty

@@ -1,0 +1,164 @@
+"""Faults across real processes (issue 22): every rank stops promptly with the root cause,
+whether the failing rank dies, lives on, or stops answering (its host of the store included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from torch import nn
+
+import pipetrain
+from pipetrain.errors import CommunicationTimeout, PipelineError, StageError
+from tests.runtime.harness import run_ranks
+from tests.runtime.models import batches, mlp, sgd
+from tests.runtime.test_errors import FailOn
+
+
+def _pipeline(model: nn.Sequential, balance, timeout: float, **options) -> pipetrain.Pipeline:
+    return pipetrain.Pipeline(model, balance, loss_fn=nn.functional.cross_entropy, optimizer=sgd,
+                              timeout=timeout, checkpoint="never", **options)
+
+
+def _timed_step(pipe: pipetrain.Pipeline) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        pipe.train_step(*batches(1)[0])
+    except PipelineError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+def _caught_failure(rank: int, world: int) -> tuple[str, str, float]:
+    """Stage 1 fails; its process catches the StageError and lives on."""
+    model = nn.Sequential(*mlp()[:6], FailOn(call=3), *mlp()[6:])
+    pipe = _pipeline(model, [6, 7], timeout=30, chunks=4)
+    outcome = _timed_step(pipe)
+    if rank == 1:
+        with pytest.raises(PipelineError, match="stopped after a failure"):
+            pipe.train_step(*batches(1)[0])  # a failed pipeline refuses to go on
+        time.sleep(3)  # alive while its peer waits
+    return outcome
+
+
+def test_a_caught_stage_failure_reaches_its_peer_at_once():
+    """Today the peer waits out the whole timeout (30 s here), then blames a slow peer."""
+    (kind0, message0, took0), (kind1, message1, _) = [v for _, v in run_ranks(
+        _caught_failure, 2, deadline=90)]
+    assert kind1 == "StageError" and "stage 1, layer 6 (FailOn)" in message1
+    assert kind0 == "PeerError", message0
+    assert "stage 1, layer 6 (FailOn), forward of micro-batch 2 failed" in message0, message0
+    assert took0 < 10, f"the peer learned of the failure after {took0:.1f} s (timeout 30 s)"
+
+
+def _ragged_on_stage_zero(rank: int, world: int) -> tuple[str, str, float]:
+    class Ragged(nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x if self.calls == 1 else x[:, :-1]
+
+    model = nn.Sequential(*mlp()[:5], Ragged(), *mlp()[5:])
+    outcome = _timed_step(_pipeline(model, [6, 7], timeout=30, chunks=4))
+    if rank == 0 and outcome[0] == "StageError" and "micro-batch 1 produced" in outcome[1]:
+        os._exit(7)  # as a script ends on the uncaught error: at once, its store with it
+    return outcome
+
+
+def test_a_shape_mismatch_reaches_the_neighbour_as_the_root_cause():
+    """Stage 0 hosts the store and ends right after failing; today its neighbour hears only
+    "its process probably died"."""
+    results = run_ranks(_ragged_on_stage_zero, 2, deadline=90)
+    assert results[0] == ("died", 7), results[0]  # stage 0 failed on the shape mismatch
+    kind1, message1, took1 = results[1][1]
+    assert kind1 == "PeerError" and "micro-batch 1 produced" in message1, message1
+    assert took1 < 10
+
+
+def _dead_receiver(rank: int, world: int) -> tuple[str, str, float]:
+    class Die(nn.Module):
+        def forward(self, x):
+            os._exit(3)
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(1.0)
+            return x
+
+    model = nn.Sequential(*mlp()[:5], Slow(), Die(), *mlp()[6:])
+    return _timed_step(_pipeline(model, [6, 7], timeout=30, chunks=4, schedule="gpipe"))
+
+
+def test_a_send_to_a_dead_peer_is_a_peer_error_naming_stage_peer_and_micro_batch():
+    """Today: gloo's raw RuntimeError "Connection closed by peer" with C++ frames."""
+    results = run_ranks(_dead_receiver, 2, deadline=90)
+    assert results[1] == ("died", 3)
+    status, (kind, message, took) = results[0]
+    assert kind == "PeerError", message
+    assert "stage 0 at action" in message, message
+    assert "sending to stage 1 on micro-batch" in message, message
+    assert took < 10
+
+
+def _stopped_store_host(rank: int, world: int, pid_file: str) -> tuple[str, str, float]:
+    class Stop(nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return x
+
+    if rank == 0:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    model = nn.Sequential(*mlp()[:5], Stop(), *mlp()[5:])
+    outcome = _timed_step(_pipeline(model, [6, 7], timeout=3, chunks=4))
+    if rank == 1:
+        with open(pid_file) as f:
+            os.kill(int(f.read()), signal.SIGKILL)  # the test's clean-up: rank 0 never wakes
+    return outcome
+
+
+@pytest.mark.slow  # waits out a 3 s timeout
+def test_a_stopped_store_host_times_out_within_the_timeout(tmp_path):
+    """Today the peer, past its timeout, blocks on the store that the stopped rank hosts."""
+    results = run_ranks(_stopped_store_host, 2, str(tmp_path / "pid"), deadline=60)
+    assert results[0] == ("died", -signal.SIGKILL)
+    status, (kind, message, took) = results[1]
+    assert kind == CommunicationTimeout.__name__, message
+    assert "timeout=3 s" in message, message
+    assert took < 3 + 2.5, f"stopped after {took:.1f} s with timeout=3"
+
+
+def test_stage_error_is_still_the_root_class():
+    assert issubclass(StageError, PipelineError)
+
+
+def _disagreeing(rank: int, world: int, what: str) -> None:
+    balance, chunks, model = [6, 6], 2, mlp()
+    if rank == 1 and what == "balance":
+        balance = [5, 7]
+    if rank == 1 and what == "chunks":
+        chunks = 4
+    if rank == 1 and what == "model":
+        model[8] = nn.Linear(12, 12, bias=False)
+    _pipeline(model, balance, timeout=10, chunks=chunks)
+
+
+@pytest.mark.parametrize(("what", "named"), [
+    ("balance", "balance: [6, 6] here vs [5, 7]"),
+    ("chunks", "chunks: 2 here vs 4"),
+    ("model", "model layer '8: Linear weight(12, 12) float32, bias(12,) float32' here vs"),
+])
+def test_ranks_that_built_different_pipelines_are_refused(what, named):
+    """Today they train silently, with a layer on two stages (balance) or none."""
+    results = run_ranks(_disagreeing, 2, what, deadline=60)
+    status, (kind, message, _) = results[0]
+    assert status == "error" and kind == "ValueError", message
+    assert "rank 0 and rank 1 built different pipelines" in message and named in message, message
+    assert results[1][0] == "error", results[1]
