@@ -4,7 +4,8 @@ Layout of ``folder``::
 
     latest                      the name of the newest complete checkpoint (replaced atomically)
     step-00000010/manifest.json format, step, stage count, every stage's parameter keys
-    step-00000010/stage-0.pt    stage 0: module state, optimizer state by parameter name, RNG
+    step-00000010/stage-0.pt    stage 0: module state, optimizer state by parameter name, RNG,
+                                the LR schedule's state and fp16's loss scale (if any)
 
 A save writes into ``step-N.partial``; each file goes to a temporary name, is fsynced and renamed;
 only when every stage's file is there does the coordinator rename the folder to ``step-N``, fsync
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipetrain.precision import LossScaler
 from pipetrain.stage import Stage
 
 FORMAT = "pipetrain-checkpoint"
@@ -88,6 +90,7 @@ def save(
     barrier: Callable[[], None],
     coordinator: bool,
     num_stages: int,
+    scaler: LossScaler | None = None,
 ) -> Path:
     """Write a checkpoint of ``stages`` (this process's) at ``step``. Every process of the
     pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes."""
@@ -109,6 +112,8 @@ def save(
             "module": stage.module.state_dict(),
             "optimizer": _optimizer_state(stage),
             "rng": _rng_state(stage.device),
+            "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
         }
         target = partial / f"stage-{stage.index}.pt"
         _write_atomically(target, _saver(payload))
@@ -179,9 +184,11 @@ def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return merged
 
 
-def load(folder: str | os.PathLike, stages: Sequence[Stage]) -> int | None:
-    """Restore ``stages`` from the newest checkpoint in ``folder`` (made under any balance);
-    return its step, or None when there is none yet."""
+def load(
+    folder: str | os.PathLike, stages: Sequence[Stage], scaler: LossScaler | None = None
+) -> int | None:
+    """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
+    any balance); return its step, or None when there is none yet."""
     path = latest(folder)
     if path is None:
         return None
@@ -196,6 +203,12 @@ def load(folder: str | os.PathLike, stages: Sequence[Stage]) -> int | None:
     for stage in stages:
         _restore_stage(stage, modules, optimizer_state, groups, path)
     by_stage = {payload["stage"]: payload for payload in payloads}
+    for stage in stages:  # every stage's schedule is at the same step: any file will do
+        saved = by_stage.get(stage.index, payloads[0]).get("scheduler")
+        if stage.scheduler is not None and saved is not None:
+            stage.scheduler.load_state_dict(saved)
+    if scaler is not None and payloads[0].get("scaler") is not None:
+        scaler.load_state_dict(payloads[0]["scaler"])
     _set_rng(by_stage.get(stages[0].index, payloads[0])["rng"], stages[0].device)
     return int(payloads[0]["step"])
 

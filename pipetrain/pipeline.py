@@ -30,10 +30,12 @@ from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import load_plan
+from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, peak_memory
-from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
+from pipetrain.update import Update, check_options, learning_rate
 from pipetrain.weights import WeightVersions, check_predictable
 from schedules import GENERATORS, Kind, Schedule, build, drain, for_call, validate
 from schedules.generators import MULTI_STAGE_PER_RANK
@@ -122,6 +124,16 @@ class Pipeline:
     "msnag" or None) runs both on the weights predicted after the stage's lag instead
     (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
     inconsistent variant. ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
+
+    ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
+    builds its own. ``lr_scheduler`` (``lambda optimizer: ...``) builds one schedule per stage
+    optimizer, stepped after each of its steps. ``precision`` "bf16" or "fp16" runs each stage
+    under autocast and sends activations in that dtype; "fp16" adds a dynamic loss scale
+    (``pipe.scaler``) whose overflow check every rank agrees on (pipetrain/precision.py).
+    ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
+    ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
+    ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
+    "loss_scale" and "skipped_step".
     """
 
     def __init__(
@@ -147,6 +159,9 @@ class Pipeline:
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = None,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -175,6 +190,9 @@ class Pipeline:
                 f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
             )
         checkpoint = checkpoint or ("never" if asynchronous else "except_last")
+        dtype = check_options(
+            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
+        )
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
@@ -211,6 +229,7 @@ class Pipeline:
             return Stage(
                 module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
                 track_memory, owned_elsewhere, self.schedule.splits_backward,
+                lr_scheduler=lr_scheduler, autocast_dtype=dtype,
             )
 
         if devices is not None:
@@ -272,6 +291,16 @@ class Pipeline:
                 )
                 if schedule == "pipedream":
                     stage.loss_divisor = 1  # every micro-batch is an update of its own
+        self.precision = precision
+        self.scaler = LossScaler() if precision == "fp16" else None
+        self._update: Update | None = None
+        if clip_grad_norm is not None or self.scaler is not None:
+            self._world = group
+            self._update = Update(
+                self.stages, clip_grad_norm, self.scaler,
+                {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
+                1 if self._threads is not None else self.placement.replicas,
+            )
         self._carry: list[dict] = [{} for _ in self.transports]
         self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
         self._recorders = (
@@ -328,6 +357,7 @@ class Pipeline:
         that forward, not for the backwards behind it."""
         start = time.perf_counter()
         self._loss = None
+        lr = learning_rate(self.stages)  # the rate this step trains with
         if self.schedule.asynchronous:
             for stage in self.stages:
                 stage.losses.clear()
@@ -338,13 +368,18 @@ class Pipeline:
             for stage in self.stages:
                 stage.zero_grad()
             start = time.perf_counter()  # zeroing the gradients is no part of the step
+            if self._update is not None:
+                self._update.begin()
             executors = self._run(self.schedule, x, y, True, self._report_loss)
+        stepped = self._update.run() if self._update is not None else {"grad_norm": None}
         step_time = time.perf_counter() - start
         if self._loss is None:  # ranks without the last stage, and single-process mode
             self._report_loss()
         value = self._received_loss()
         self.step += 1
-        self._record_metrics(value, step_time, executors, x if x is not None else y)
+        self._record_metrics(
+            value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
+        )
         every = self._checkpoint_every
         if self._checkpoint_dir is not None and every and self.step % every == 0:
             self.save(self._checkpoint_dir)
@@ -380,14 +415,15 @@ class Pipeline:
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
         return checkpointing.save(
-            folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages
+            folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages,
+            self.scaler,
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
         """Restore the newest checkpoint in ``folder`` (made under any balance); return its
         step, or None if there is none. Every rank calls it."""
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
-        step = checkpointing.load(folder, self.stages)
+        step = checkpointing.load(folder, self.stages, self.scaler)
         if step is not None:
             self.step = step
             logger.info("resumed from step %d of %s", step, folder)
@@ -402,7 +438,8 @@ class Pipeline:
             dist.barrier(group=self._group)
 
     def _record_metrics(
-        self, loss: float, step_time: float, executors: list[Executor], batch: object
+        self, loss: float, step_time: float, executors: list[Executor], batch: object,
+        extra: dict,
     ) -> None:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
         bubbles = [1.0 - e.compute_time / step_time for e in executors]
@@ -416,10 +453,24 @@ class Pipeline:
             "samples_per_second": size / step_time if size else None,
             "stage_bubble": bubbles,
             "stage_peak_memory": memory,
+            **extra,
         }
         logger.debug("step %d: %s", self.step, self.metrics)
         if self._progress is not None and self._coordinator:
             self._progress.update(self.metrics)
+
+    def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over every rank of every replica (in one process: itself)."""
+        if self._threads is not None:
+            return value
+        work = dist.all_reduce(value, group=self._world, async_op=True)
+        assert work is not None
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            assert isinstance(self.transports[0], DistributedTransport)
+            self.transports[0].raise_failure(error)
+        return value
 
     def _gather_from_stages(self, bubble: float, memory: float) -> tuple[list[float], list[float]]:
         mine = torch.tensor([bubble, memory], dtype=torch.float64)

@@ -50,6 +50,12 @@ class Progress:
             "bubble " + " ".join(f"{b:.0%}" for b in bubbles),
             "peak " + " ".join(f"{m / 2**20:.0f}MiB" for m in memory),
         ]
+        if metrics.get("lr") is not None:
+            parts.append(f"lr {metrics['lr']:.3g}")
+        if metrics.get("grad_norm") is not None:
+            parts.append(f"grad norm {metrics['grad_norm']:.3g}")
+        if metrics.get("skipped_step"):
+            parts.append(f"overflow: step skipped, loss scale {metrics['loss_scale']:g}")
         return " | ".join(parts)
 
     def update(self, metrics: dict) -> None:

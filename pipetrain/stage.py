@@ -22,12 +22,14 @@ from pipetrain.batchnorm import gathering_statistics
 from pipetrain.data_parallel import GradientSync
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
+from pipetrain.precision import autocast, to_boundary
 from pipetrain.weights import WeightVersions
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 def checkpoint_stop(mode: str, chunks: int) -> int:
@@ -80,6 +82,8 @@ class Stage:
         track_memory: bool = False,
         owned_elsewhere: frozenset[int] = frozenset(),
         split_backward: bool = False,
+        lr_scheduler: SchedulerFactory | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         self.module = module.to(device)
         self.index, self.count, self.offset = index, count, offset
@@ -92,6 +96,21 @@ class Stage:
             p for p in self.module.parameters() if p.requires_grad and id(p) not in owned_elsewhere
         ]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.scheduler = (
+            lr_scheduler(self.optimizer) if lr_scheduler and self.optimizer is not None else None
+        )
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "ReduceLROnPlateau steps on a validation metric, not once per update: call its "
+                "step(metric) yourself on pipe.stages[i].optimizer, or pass a per-update "
+                "schedule (LambdaLR, CosineAnnealingLR, ...) as lr_scheduler"
+            )
+        # Mixed precision (pipetrain/precision.py): the autocast dtype (None: fp32), the loss
+        # scale the last stage's backward starts from, and whether the optimizer step waits
+        # for pipetrain/update.py (global clipping, fp16's agreed overflow check).
+        self.autocast_dtype = autocast_dtype
+        self.loss_scale = 1.0
+        self.defer_update = False
         self.syncs: list[GradientSync] = []  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
@@ -159,7 +178,7 @@ class Stage:
         try:
             if not training:
                 with torch.no_grad():
-                    return self._run_layers(value)
+                    return self._run_and_score(value, None, score=False)
             # On the last stage the loss is part of the (possibly recomputed) work, so a
             # checkpointed micro-batch keeps nothing but its inputs.
             recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
@@ -200,10 +219,16 @@ class Stage:
         self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
         return output
 
-    def _run_and_score(self, value: object, target: object, cuts: list | None = None) -> object:
-        """The slice's output, or on the last stage its loss against ``target``."""
-        output = self._run_layers(value, cuts)
-        return self._loss(output, target) if self.is_last else output
+    def _run_and_score(
+        self, value: object, target: object, cuts: list | None = None, score: bool = True
+    ) -> object:
+        """The slice's output (in the autocast dtype, for the next stage), or on the last stage
+        its loss against ``target`` (``score=False``: its output)."""
+        with autocast(self.device, self.autocast_dtype):
+            output = self._run_layers(value, cuts)
+            if self.is_last:
+                return self._loss(output, target) if score else output
+        return to_boundary(output, self.autocast_dtype)
 
     def _loss(self, output: object, target: object) -> torch.Tensor:
         if self.loss_fn is None:
@@ -223,7 +248,7 @@ class Stage:
         """The gradients to start the backward of ``outputs`` from: ones for the last stage's
         loss, else the received ones, one per output that needs a gradient."""
         if self.is_last:
-            return [torch.ones_like(outputs[0])] if outputs else []
+            return [torch.full_like(outputs[0], self.loss_scale)] if outputs else []
         if len(grads) != len(outputs):
             raise StageError(
                 f"stage {self.index}: received {len(grads)} gradients for micro-batch "
@@ -360,7 +385,7 @@ class Stage:
     def step(self) -> None:
         if self.versions is not None:  # asynchronous: micro-batches stay in flight
             if self.optimizer is not None:
-                self.optimizer.step()
+                self.update()
                 self.optimizer.zero_grad(set_to_none=True)
             self.versions.stepped()
             return
@@ -370,6 +395,13 @@ class Stage:
                 f"stage {self.index}: optimizer step with micro-batches {pending} "
                 "not yet backpropagated; the schedule is incomplete"
             )
+        if not self.defer_update:
+            self.update()
+
+    def update(self) -> None:
+        """The optimizer step, then the learning-rate schedule's."""
         if self.optimizer is not None:
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
 

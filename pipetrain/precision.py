@@ -1,0 +1,90 @@
+"""Mixed precision: autocast per stage, and fp16's dynamic loss scale kept equal on every rank.
+
+Each stage runs its forward (and any recomputation) under ``torch.autocast`` on its own device;
+parameters, gradients and optimizer state stay fp32. A stage's floating-point outputs leave it in
+the autocast dtype, so activations and their gradients cross stage boundaries in half the bytes.
+
+fp16 needs loss scaling (its gradients underflow otherwise): the last stage starts the backward
+from ``scale`` instead of 1, every gradient in the pipeline is scaled by it, and before the
+optimizer step (pipetrain/update.py) the gradients are divided by it and checked for inf/NaN.
+The check is agreed over every stage and replica, so either every rank steps or none does, and
+:class:`LossScaler` then changes the scale the same way everywhere (as ``torch.amp.GradScaler``
+does in one process: halve on an overflow, double after ``growth_interval`` clean steps).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (None for fp32); a clear error for anything else."""
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return DTYPES[precision]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
+    """``torch.autocast`` on ``device`` to ``dtype``; nothing for fp32 (None)."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def to_boundary(value: object, dtype: torch.dtype | None) -> object:
+    """``value`` (a tensor or a tuple/list of them) with its fp32 tensors cast to ``dtype``,
+    as it crosses to the next stage; integer and other tensors pass as they are."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == torch.float32 else value
+    if isinstance(value, tuple | list):
+        return type(value)(to_boundary(v, dtype) for v in value)
+    return value
+
+
+class LossScaler:
+    """fp16's dynamic loss scale, identical on every rank (each rank holds one and feeds every
+    one the same all-reduced overflow flag). Defaults are ``torch.amp.GradScaler``'s."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1:
+            raise ValueError(
+                "loss scaling needs init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1"
+            )
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0  # consecutive steps without an overflow since the last change
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: halve the scale on an overflow, grow it after enough clean steps."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self.scale, "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+            "clean_steps": self.clean_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self.clean_steps = state["growth_interval"], state["clean_steps"]
