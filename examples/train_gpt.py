@@ -115,6 +115,12 @@ def warmup_cosine(args: argparse.Namespace):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def eval_batch(args: argparse.Namespace) -> int:
+    """Windows per evaluation batch: at least 64 (fewer, larger steps through the pipeline),
+    a multiple of the micro-batch count."""
+    return -(-max(args.batch, 64) // args.chunks) * args.chunks
+
+
 def log(step: int, args: argparse.Namespace, loss: float, lr: float, norm: float | None,
         tokens: int, elapsed: float) -> None:
     clip = f"  grad norm {norm:6.3f}" if norm is not None else ""
@@ -186,11 +192,11 @@ def train_pipelined(args: argparse.Namespace) -> None:
     )
     last_rank = pipe.schedule.rank_of(pipe.num_stages - 1)
     train, held = load_corpus()
-    held_out = held_out_batches(held, args.batch, args.context)
+    held_out = held_out_batches(held, eval_batch(args), args.context)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"GPT of {params:,} parameters, {len(train):,} training bytes, "
-              f"{len(held_out) * args.batch * args.context:,} held out; {world} ranks, "
+              f"{len(held_out) * eval_batch(args) * args.context:,} held out; {world} ranks, "
               f"{schedule}, balance {pipe.balance}, {args.chunks} micro-batches of "
               f"{args.batch // args.chunks} x {args.context} bytes, {args.precision}", flush=True)
     batches = training_batches(train, args.batch, args.context, args.seed)
@@ -247,7 +253,7 @@ def train_single(args: argparse.Namespace) -> None:
     optimizer = adamw(args.lr)(model.parameters())
     scheduler = warmup_cosine(args)(optimizer)
     train, held = load_corpus()
-    held_out = held_out_batches(held, args.batch, args.context)
+    held_out = held_out_batches(held, eval_batch(args), args.context)
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT of {params:,} parameters, single process ({torch.get_num_threads()} threads), "
           f"batch {args.batch} x {args.context} bytes, {args.precision}", flush=True)
