@@ -1,6 +1,7 @@
 """pipetrain: pipeline-parallel training of nn.Sequential models."""
 
 from pipetrain.checkpointing import consolidate
+from pipetrain.compensation import DelayCompensation
 from pipetrain.distributed import init_distributed
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.pipeline import Pipeline
@@ -8,6 +9,7 @@ from pipetrain.profiler import profile
 
 __all__ = [
     "CommunicationTimeout",
+    "DelayCompensation",
     "PeerError",
     "Pipeline",
     "PipelineError",

@@ -24,6 +24,7 @@ from torch import nn
 from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.batchnorm import DeferredBatchNorm
+from pipetrain.compensation import Compensator, DelayCompensation
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
@@ -121,7 +122,10 @@ class Pipeline:
     and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
     "msnag" or None) runs both on the weights predicted after the stage's lag instead
     (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
-    inconsistent variant. ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
+    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "pipemare", several joined
+    by "+", or a DelayCompensation) changes the updates of the late gradients instead
+    (pipetrain/compensation.py), with or without prediction. ``flush()`` drains the pipeline;
+    ``eval_step`` and ``save`` call it.
     """
 
     def __init__(
@@ -147,6 +151,7 @@ class Pipeline:
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = None,
+        delay_compensation: str | DelayCompensation | None = None,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -169,11 +174,16 @@ class Pipeline:
                 f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
                 "weights instead: use checkpoint='never'"
             )
-        if not asynchronous and (weight_prediction is not None or not weight_stashing):
+        if not asynchronous and (
+            weight_prediction is not None or not weight_stashing or delay_compensation is not None
+        ):
             raise ValueError(
-                "weight_stashing and weight_prediction apply to the asynchronous schedules "
-                f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
+                "weight_stashing, weight_prediction and delay_compensation apply to the "
+                f"asynchronous schedules 'pipedream' and 'pipedream-2bw', not to {schedule!r}"
             )
+        compensation = (
+            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+        )
         checkpoint = checkpoint or ("never" if asynchronous else "except_last")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
@@ -266,9 +276,14 @@ class Pipeline:
             for stage in self.stages:
                 if weight_prediction is not None:
                     check_predictable(stage.optimizer, weight_prediction)
+                lag = self.schedule.lag[stage.index]
+                compensator = (
+                    Compensator(compensation, stage.optimizer, stage._weights, lag)
+                    if compensation is not None else None
+                )
                 stage.versions = WeightVersions(
-                    stage._weights, stage.optimizer, self.schedule.lag[stage.index],
-                    self.schedule.update_every, policy, weight_prediction or "momentum",
+                    stage._weights, stage.optimizer, lag, self.schedule.update_every, policy,
+                    weight_prediction or "momentum", compensator=compensator,
                 )
                 if schedule == "pipedream":
                     stage.loss_divisor = 1  # every micro-batch is an update of its own

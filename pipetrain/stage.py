@@ -272,11 +272,12 @@ class Stage:
         outputs_all = stashed.outputs
         wanted = [x for x in stashed.inputs if x.requires_grad]
         try:
-            if versions.recomputes:
+            if versions.recomputes:  # on the live weights, or PipeMare's corrected ones
                 value, target = self._targets.pop(microbatch)
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
+                live = all(w is p for w, p in zip(weights, self._weights, strict=True))
                 with torch.enable_grad():
-                    out = self._run_and_score(value, target)
+                    out = self._functional(None if live else weights, target)(value)
                 outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
             outputs = [t for t in outputs_all if t.requires_grad]
             grads = self._output_grads(outputs, grads, microbatch)
@@ -360,7 +361,11 @@ class Stage:
     def step(self) -> None:
         if self.versions is not None:  # asynchronous: micro-batches stay in flight
             if self.optimizer is not None:
-                self.optimizer.step()
+                compensator = self.versions.compensator
+                if compensator is not None:
+                    compensator.step()
+                else:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.versions.stepped()
             return
