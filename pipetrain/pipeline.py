@@ -24,7 +24,7 @@ from torch import nn
 from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.batchnorm import DeferredBatchNorm
-from pipetrain.compensation import Compensator, DelayCompensation
+from pipetrain.compensation import DelayCompensation
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
@@ -35,7 +35,7 @@ from pipetrain.progress import Progress, logger, peak_memory
 from pipetrain.stage import LossFn, OptimizerFactory, Stage, checkpoint_stop
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
-from pipetrain.weights import WeightVersions, check_predictable
+from pipetrain.weights import stage_versions
 from schedules import GENERATORS, Kind, Schedule, build, drain, for_call, validate
 from schedules.generators import MULTI_STAGE_PER_RANK
 
@@ -272,18 +272,10 @@ class Pipeline:
                     f"schedule {schedule!r} does not support data-parallel replicas or weights "
                     "tied across stages yet; use a synchronous schedule for those"
                 )
-            policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
             for stage in self.stages:
-                if weight_prediction is not None:
-                    check_predictable(stage.optimizer, weight_prediction)
-                lag = self.schedule.lag[stage.index]
-                compensator = (
-                    Compensator(compensation, stage.optimizer, stage._weights, lag)
-                    if compensation is not None else None
-                )
-                stage.versions = WeightVersions(
-                    stage._weights, stage.optimizer, lag, self.schedule.update_every, policy,
-                    weight_prediction or "momentum", compensator=compensator,
+                stage.versions = stage_versions(
+                    stage._weights, stage.optimizer, self.schedule.lag[stage.index],
+                    self.schedule.update_every, weight_stashing, weight_prediction, compensation,
                 )
                 if schedule == "pipedream":
                     stage.loss_divisor = 1  # every micro-batch is an update of its own

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pipetrain.compensation import Compensator
+from pipetrain.compensation import Compensator, DelayCompensation
 
 POLICIES = ("stash", "predict", "stale")
 METHODS = ("momentum", "spectrain", "msnag")  # "momentum": spectrain for SGD, Adam's rule
@@ -251,3 +251,21 @@ class WeightVersions:
 
     def stepped(self) -> None:
         self.version += 1
+
+
+def stage_versions(
+    params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer | None, lag: int,
+    update_every: int, weight_stashing: bool, weight_prediction: str | None,
+    compensation: DelayCompensation | None,
+) -> WeightVersions:
+    """The WeightVersions of a stage under Pipeline's asynchronous options (checked here)."""
+    if weight_prediction is not None:
+        check_predictable(optimizer, weight_prediction)
+    policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
+    compensator = (
+        Compensator(compensation, optimizer, params, lag) if compensation is not None else None
+    )
+    return WeightVersions(
+        params, optimizer, lag, update_every, policy, weight_prediction or "momentum",
+        compensator=compensator,
+    )
