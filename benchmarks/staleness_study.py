@@ -19,15 +19,15 @@ and lr), which is what makes the sweep affordable on a shared 2-core machine. Va
   lag-lr+predict   lr / (1 + lag) per stage, with prediction
   pipemare         PipeMare: no stashing, lr warm-up per stage's delay, discrepancy correction
   pipemare+predict PipeMare's lr warm-up with prediction
-  spike+lag-lr+predict
+  spike+lag-lr+predict, spike+pipemare+predict   combinations
   sync-1f1b        one synchronous update per mini-batch of 64 (reference of the 2BW rows)
   2bw, 2bw-predict, 2bw-spike+predict   PipeDream-2BW (lag 1) as above
 
 Reported: mean held-out accuracy over seeds per (optimizer, lr, variant), the difference to the
-reference, and whether the issue's goal holds: within 0.5 points of sync-micro wherever
-sync-micro reaches 90 %. Raw results go to a JSON file (runs can be split with --variants and
-merged); the table (markdown) and the plot (accuracy against lr, one line per variant) are made
-from it.
+reference, and whether the issue's goal holds: at most 0.5 points below sync-micro wherever
+sync-micro reaches 90 % (being ahead of it is no miss). Raw results go to a JSON file (runs
+can be split with --variants and merged); the table (markdown) and the plot (accuracy against
+lr, one line per variant) are made from it.
 
 Throughput. 2 processes over gloo, one torch thread each, 16 x Linear(512)+ReLU in 2 stages,
 PipeDream with 8 micro-batches of batch 128, each method against today's prediction
@@ -65,6 +65,8 @@ PIPEDREAM = {
     "pipemare+predict": dict(delay_compensation="pipemare", weight_prediction="momentum"),
     "spike+lag-lr+predict": dict(delay_compensation="spike+lag-lr",
                                  weight_prediction="momentum"),
+    "spike+pipemare+predict": dict(delay_compensation="spike+pipemare",
+                                   weight_prediction="momentum"),
 }
 TWO_BW = {
     "sync-1f1b": dict(schedule="1f1b"),
@@ -207,12 +209,13 @@ def _means(results: dict, kind: str, variant: str) -> dict[float, float]:
 
 
 def goal_met(results: dict, kind: str, variant: str) -> bool | None:
-    """Within GOAL points of the reference at every lr where the reference reaches TRAINS."""
+    """At most GOAL points below the reference at every lr where the reference reaches
+    TRAINS."""
     mine, ref = _means(results, kind, variant), _means(results, kind, REFERENCE[variant])
     held = [lr for lr, a in ref.items() if a >= TRAINS]
     if not mine or not held:
         return None  # nothing to compare, or the reference reaches TRAINS nowhere
-    return all(abs(mine[lr] - ref[lr]) <= GOAL for lr in held)
+    return all(mine[lr] >= ref[lr] - GOAL for lr in held)  # ahead of the reference is no miss
 
 
 def report(raw: Path, markdown: Path, png: Path) -> None:
@@ -227,7 +230,8 @@ def report(raw: Path, markdown: Path, png: Path) -> None:
             f"\n### {'SGD momentum 0.9' if kind == 'sgd' else 'AdamW (weight decay 0.01)'}, "
             f"{meta['epochs']} epochs, mean of {meta['seeds']} seeds\n",
             "Held-out accuracy (%); the rows below their reference give the difference to it "
-            f"(points). Goal: within {GOAL} of the reference wherever it reaches {TRAINS:g} %.\n",
+            f"(points). Goal: at most {GOAL} below the reference wherever it reaches "
+            f"{TRAINS:g} %.\n",
             "| variant | " + " | ".join(f"lr {lr:g}" for lr in LRS[kind]) + " | goal |",
             "|---|" + "---|" * (len(LRS[kind]) + 1),
         ]
