@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from pipetrain.checkpointing import consolidate
+from pipetrain.compensation import DelayCompensation
 from pipetrain.distributed import init_distributed
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.pipeline import Pipeline
@@ -15,6 +16,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 __all__ = [
     "CommunicationTimeout",
+    "DelayCompensation",
     "PeerError",
     "Pipeline",
     "PipelineError",

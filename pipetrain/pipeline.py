@@ -25,6 +25,7 @@ from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
+from pipetrain.compensation import DelayCompensation
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
@@ -45,7 +46,7 @@ from pipetrain.stage import (
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.update import Update, check_options, learning_rate
-from pipetrain.weights import WeightVersions, check_predictable
+from pipetrain.weights import stage_versions
 from schedules import GENERATORS, Kind, Schedule, build, drain, for_call, validate
 from schedules.generators import MULTI_STAGE_PER_RANK
 
@@ -141,7 +142,10 @@ class Pipeline:
     and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
     "msnag" or None) runs both on the weights predicted after the stage's lag instead
     (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
-    inconsistent variant. ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
+    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "pipemare", several joined
+    by "+", or a DelayCompensation) changes the updates of the late gradients instead
+    (pipetrain/compensation.py), with or without prediction. ``flush()`` drains the pipeline;
+    ``eval_step`` and ``save`` call it.
 
     ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
     builds its own. ``lr_scheduler`` (``lambda optimizer: ...``) builds one schedule per stage
@@ -180,6 +184,7 @@ class Pipeline:
         precision: str = "fp32",
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        delay_compensation: str | DelayCompensation | None = None,
     ):
         if plan is not None:
             plan = load_plan(plan, model)
@@ -207,11 +212,16 @@ class Pipeline:
                 f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
                 "weights instead: use checkpoint='never'"
             )
-        if not asynchronous and (weight_prediction is not None or not weight_stashing):
+        if not asynchronous and (
+            weight_prediction is not None or not weight_stashing or delay_compensation is not None
+        ):
             raise ValueError(
-                "weight_stashing and weight_prediction apply to the asynchronous schedules "
-                f"'pipedream' and 'pipedream-2bw', not to {schedule!r}"
+                "weight_stashing, weight_prediction and delay_compensation apply to the "
+                f"asynchronous schedules 'pipedream' and 'pipedream-2bw', not to {schedule!r}"
             )
+        compensation = (
+            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+        )
         checkpoint = checkpoint or default_checkpoint(schedule)
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
@@ -313,13 +323,10 @@ class Pipeline:
                     f"schedule {schedule!r} does not support data-parallel replicas or weights "
                     "tied across stages yet; use a synchronous schedule for those"
                 )
-            policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
             for stage in self.stages:
-                if weight_prediction is not None:
-                    check_predictable(stage.optimizer, weight_prediction)
-                stage.versions = WeightVersions(
+                stage.versions = stage_versions(
                     stage._weights, stage.optimizer, self.schedule.lag[stage.index],
-                    self.schedule.update_every, policy, weight_prediction or "momentum",
+                    self.schedule.update_every, weight_stashing, weight_prediction, compensation,
                 )
                 if schedule == "pipedream":
                     stage.loss_divisor = 1  # every micro-batch is an update of its own

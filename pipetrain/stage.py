@@ -329,11 +329,12 @@ class Stage:
         outputs_all = stashed.outputs
         wanted = [x for x in stashed.inputs if x.requires_grad]
         try:
-            if versions.recomputes:
+            if versions.recomputes:  # on the live weights, or PipeMare's corrected ones
                 value, target, start = self._targets.pop(microbatch)
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
+                live = all(w is p for w, p in zip(weights, self._weights, strict=True))
                 with torch.enable_grad(), self.rng.replay(start):
-                    out = self._run_and_score(value, target)
+                    out = self._functional(None if live else weights, target)(value)
                 outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
             outputs = [t for t in outputs_all if t.requires_grad]
             grads = self._output_grads(outputs, grads, microbatch)
@@ -431,9 +432,11 @@ class Stage:
             self.update()
 
     def update(self) -> None:
-        """The optimizer step, then the learning-rate schedule's."""
+        """The optimizer step (through the delay compensation, if any), then the learning-rate
+        schedule's."""
         if self.optimizer is not None:
-            self.optimizer.step()
+            compensator = self.versions.compensator if self.versions is not None else None
+            (compensator or self.optimizer).step()
             if self.scheduler is not None:
                 self.scheduler.step()
 

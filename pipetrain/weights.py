@@ -30,6 +30,11 @@ The predictor, for ``lag`` = s future updates with the optimizer's current state
   XPipe / PipeOptim rule; exact when the moments stay put (future gradients equal to m with
   v = m^2). Adam's coupled L2 ``weight_decay`` is not modelled.
 * Anything else raises :class:`PredictionError` naming what is known.
+
+With a delay compensation (pipetrain/compensation.py) the predictor extrapolates with the
+learning rate the compensation will use (``lr_scale``) and, under spike compensation, "msnag"
+scales its decaying tail by mu^s as the compensated update does; the other rules are exact under
+spike compensation in the same cases as without it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from pipetrain.compensation import Compensator, DelayCompensation
 
 POLICIES = ("stash", "predict", "stale")
 METHODS = ("momentum", "spectrain", "msnag")  # "momentum": spectrain for SGD, Adam's rule
@@ -75,9 +82,11 @@ def check_predictable(optimizer: torch.optim.Optimizer | None, method: str) -> N
 def predict(
     optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], steps: int,
     method: str = "momentum", out: Sequence[torch.Tensor] | None = None,
+    lr_scale: float = 1.0, spike: bool = False,
 ) -> list[torch.Tensor]:
-    """The values of ``params`` expected after ``steps`` more updates of ``optimizer``, written
-    into ``out`` (tensors shaped like ``params``) or new tensors; the parameters and the
+    """The values of ``params`` expected after ``steps`` more updates of ``optimizer`` (its
+    learning rates times ``lr_scale``; ``spike``: spike-compensated for a delay of ``steps``),
+    written into ``out`` (tensors shaped like ``params``) or new tensors; the parameters and the
     optimizer are left alone. A parameter without optimizer state yet (before its first
     update) is predicted to stay where it is."""
     check_predictable(optimizer, method)
@@ -88,29 +97,34 @@ def predict(
         if steps == 0 or group is None or not state:
             w.copy_(p)
         elif isinstance(optimizer, torch.optim.SGD):
-            _sgd(p, state, group, steps, method, w)
+            _sgd(p, state, group, steps, method, w, lr_scale, spike)
         else:
-            _adam(p, state, group, steps, isinstance(optimizer, torch.optim.AdamW), w)
+            adamw = isinstance(optimizer, torch.optim.AdamW)
+            _adam(p, state, group, steps, adamw, w, lr_scale)
     return targets
 
 
 def _sgd(
-    p: torch.Tensor, state: dict, group: dict, steps: int, method: str, w: torch.Tensor
+    p: torch.Tensor, state: dict, group: dict, steps: int, method: str, w: torch.Tensor,
+    lr_scale: float, spike: bool,
 ) -> None:
     buf = state.get("momentum_buffer")
     if buf is None:
         w.copy_(p)
         return
-    mu, lr = float(group["momentum"]), float(group["lr"])
+    mu, lr = float(group["momentum"]), float(group["lr"]) * lr_scale
     factor = float(steps) if method != "msnag" else mu * (1 - mu**steps) / (1 - mu)
+    if method == "msnag" and spike:
+        factor *= mu**steps
     sign = 1.0 if group.get("maximize", False) else -1.0
     torch.add(p.detach(), buf, alpha=sign * lr * factor, out=w)
 
 
 def _adam(
-    p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool, w: torch.Tensor
+    p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool, w: torch.Tensor,
+    lr_scale: float,
 ) -> None:
-    lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
+    lr, (b1, b2), eps = float(group["lr"]) * lr_scale, group["betas"], group["eps"]
     decoupled = adamw or group.get("decoupled_weight_decay", False)
     wd = float(group["weight_decay"]) if decoupled else 0.0
     m = state["exp_avg"]
@@ -132,7 +146,9 @@ class WeightVersions:
     ``forward_weights(key)`` gives the tensors micro-batch ``key``'s forward runs on (None: the
     live parameters, with a graph; "stale" mode at lag > 0 runs without one);
     ``backward_weights(key)`` the tensors its backward differentiates through;
-    ``release(key)`` ends the micro-batch; ``stepped()`` counts an update. ``record=True`` keeps
+    ``release(key)`` ends the micro-batch; ``stepped()`` counts an update. A ``compensator``
+    (pipetrain/compensation.py) steers the prediction's learning rate and, for PipeMare's
+    discrepancy correction, the weights a "stale" backward recomputes on. ``record=True`` keeps
     what tests compare: the lag each micro-batch saw and whether its forward and backward read
     bit-identical weights.
     """
@@ -146,6 +162,7 @@ class WeightVersions:
         policy: str = "stash",
         method: str = "momentum",
         record: bool = False,
+        compensator: Compensator | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -153,6 +170,7 @@ class WeightVersions:
             check_predictable(optimizer, method)
         self.params, self.optimizer = list(params), optimizer
         self.lag, self.update_every, self.policy, self.method = lag, update_every, policy, method
+        self.compensator = compensator
         self.version = 0  # updates applied so far
         self._units: dict[int, tuple[int, list[torch.Tensor] | None, set[int]]] = {}
         self._read: dict[int, int] = {}  # key -> version its forward read
@@ -172,7 +190,11 @@ class WeightVersions:
         otherwise allocate and fault in a whole copy of the stage's weights each time)."""
         spare = self._spare.pop() if self._spare else None
         if self.policy == "predict" and self.optimizer is not None:
-            copies = predict(self.optimizer, self.params, self.lag, self.method, out=spare)
+            comp = self.compensator
+            copies = predict(
+                self.optimizer, self.params, self.lag, self.method, out=spare,
+                lr_scale=comp.lr_scale if comp else 1.0, spike=bool(comp and comp.spec.spike),
+            )
         elif spare is not None:
             copies = spare
             for c, p in zip(copies, self.params, strict=True):
@@ -208,6 +230,8 @@ class WeightVersions:
     def backward_weights(self, key: int) -> list[torch.Tensor]:
         _, copies, _ = self._units[key // self.update_every]
         used = self.params if copies is None or self.recomputes else copies
+        if self.recomputes and self.compensator is not None and self.compensator.corrects:
+            used = self.compensator.backward_weights()
         if self.record:
             self.lags[key] = self.version - self._read[key]
             self.identical[key] = all(
@@ -227,3 +251,21 @@ class WeightVersions:
 
     def stepped(self) -> None:
         self.version += 1
+
+
+def stage_versions(
+    params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer | None, lag: int,
+    update_every: int, weight_stashing: bool, weight_prediction: str | None,
+    compensation: DelayCompensation | None,
+) -> WeightVersions:
+    """The WeightVersions of a stage under Pipeline's asynchronous options (checked here)."""
+    if weight_prediction is not None:
+        check_predictable(optimizer, weight_prediction)
+    policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
+    compensator = (
+        Compensator(compensation, optimizer, params, lag) if compensation is not None else None
+    )
+    return WeightVersions(
+        params, optimizer, lag, update_every, policy, weight_prediction or "momentum",
+        compensator=compensator,
+    )

@@ -1,0 +1,223 @@
+"""Delay compensation for asynchronous stages: change what the optimizer does with a late gradient.
+
+Stage s of an asynchronous schedule applies each gradient ``D = lag[s]`` updates after the
+forward that produced it. Weight stashing and prediction (pipetrain/weights.py) choose the
+weights the gradient is computed on; the remedies here change the update itself. They combine
+with "+" (``"spike+lag-lr"``) and with ``weight_prediction``:
+
+* ``"spike"``, spike compensation (Kosson et al., "Pipelined backpropagation at scale", 2020).
+  With momentum mu an undelayed gradient g moves the weights by lr (1 + mu + mu^2 + ...) g over
+  the following updates; a gradient D updates late has missed the first D terms. The update
+  ``w -= lr (mu^D v + (1 - mu^D) / (1 - mu) g)`` (v the velocity, g included) applies the missed
+  part at once (the spike) and scales the velocity's tail by mu^D, so from the gradient's arrival
+  on the weights follow the undelayed impulse response exactly. Adam(W) gets the same rule on its
+  first moment (beta1 in place of mu, the current denominator). Under spike compensation an
+  update with a constant velocity (or constant Adam moments) equals the plain one, so the
+  "momentum"/"spectrain" and Adam predictors stay exact in the same cases.
+* ``"lag-lr"``: the stage's learning rate divided by 1 + D (a baseline: a smaller step where the
+  gradient is older).
+* ``"pipemare"`` (Yang et al., "PipeMare", 2021). T1, learning-rate rescheduling: over the first
+  ``warmup`` updates the stage's rate is lr / D^(1 - k / warmup) at update k, then lr. T2,
+  discrepancy correction, where the backward recomputes on the live weights
+  (``weight_stashing=False``): it runs on ``w - D delta`` instead, delta a bias-corrected moving
+  average (decay 0.1^(1/D)) of the per-update change of the weights: an estimate of the weights
+  the forward read, without stashing them. With stashing or prediction the forward and backward
+  already read one version, and only T1 applies.
+
+Learning-rate scaling multiplies each parameter group's ``lr`` for the length of one
+``optimizer.step()`` and restores it, so a user's LR scheduler keeps working. At lag 0 every
+remedy is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+METHODS = ("spike", "lag-lr", "pipemare")
+PIPEMARE_WARMUP = 400  # updates over which PipeMare's per-stage rate anneals to the user's
+DISCREPANCY_MEMORY = 0.1  # weight left on a change D updates old in PipeMare's moving average
+
+
+class CompensationError(ValueError):
+    """A delay compensation that is unknown, or that the optimizer cannot take."""
+
+
+@dataclass(frozen=True)
+class DelayCompensation:
+    """Which remedies a stage applies: spike compensation, a learning-rate rule ("lag",
+    "pipemare" or None), PipeMare's discrepancy correction, and PipeMare's warm-up length."""
+
+    spike: bool = False
+    lr_rule: str | None = None
+    discrepancy: bool = False
+    warmup: int = PIPEMARE_WARMUP
+
+    @classmethod
+    def parse(cls, spec: str | DelayCompensation) -> DelayCompensation:
+        """``"spike"``, ``"lag-lr"``, ``"pipemare"`` or several joined by "+"."""
+        if isinstance(spec, DelayCompensation):
+            return spec
+        if not isinstance(spec, str) or not spec:
+            raise CompensationError(
+                f"delay_compensation must be one of {METHODS} (or several joined by '+'), "
+                f"a DelayCompensation or None; got {spec!r}"
+            )
+        names = spec.split("+")
+        unknown = [n for n in names if n not in METHODS]
+        if unknown or len(set(names)) != len(names):
+            raise CompensationError(
+                f"delay_compensation {spec!r}: each part must be one of {METHODS}, once"
+            )
+        if "lag-lr" in names and "pipemare" in names:
+            raise CompensationError(
+                "delay_compensation: 'lag-lr' and 'pipemare' are two learning-rate rules; pick one"
+            )
+        rule = "lag" if "lag-lr" in names else "pipemare" if "pipemare" in names else None
+        return cls(spike="spike" in names, lr_rule=rule, discrepancy="pipemare" in names)
+
+
+def check_compensable(optimizer: torch.optim.Optimizer | None, spec: DelayCompensation) -> None:
+    """Raise CompensationError unless :class:`Compensator` can apply ``spec`` to ``optimizer``."""
+    if optimizer is None:
+        return
+    if spec.lr_rule and any("lr" not in g for g in optimizer.param_groups):
+        raise CompensationError(
+            f"{type(optimizer).__name__} has no 'lr' in its parameter groups for the "
+            f"{spec.lr_rule!r} learning-rate rule to scale; drop that rule"
+        )
+    if not spec.spike:
+        return
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        for g in optimizer.param_groups:
+            if g["momentum"] == 0 or g["nesterov"] or g["dampening"] or g.get("maximize"):
+                raise CompensationError(
+                    "spike compensation models SGD's heavy-ball momentum: pass SGD(..., "
+                    "momentum=0.9) without nesterov, dampening or maximize, or drop 'spike'"
+                )
+        return
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        if any(g.get("maximize") for g in optimizer.param_groups):
+            raise CompensationError("spike compensation does not model maximize=True; drop it")
+        return
+    raise CompensationError(
+        f"spike compensation knows SGD with momentum, Adam and AdamW, not {name}; drop "
+        "'spike' from delay_compensation (the learning-rate rules work with any optimizer)"
+    )
+
+
+class Compensator:
+    """Applies a :class:`DelayCompensation` to one stage's updates at lag ``lag``."""
+
+    def __init__(
+        self, spec: DelayCompensation, optimizer: torch.optim.Optimizer | None,
+        params: Sequence[nn.Parameter], lag: int,
+    ):
+        check_compensable(optimizer, spec)
+        self.spec, self.optimizer, self.params, self.lag = spec, optimizer, list(params), lag
+        self.updates = 0  # optimizer steps taken through this compensator
+        self.decay = DISCREPANCY_MEMORY ** (1.0 / lag) if lag else 0.0
+        self._delta: list[torch.Tensor] | None = None  # PipeMare's moving average, not debiased
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on every group's lr at the next update."""
+        if self.lag == 0 or self.spec.lr_rule is None:
+            return 1.0
+        if self.spec.lr_rule == "lag":
+            return 1.0 / (1 + self.lag)
+        done = min(self.updates / max(self.spec.warmup, 1), 1.0)
+        return float(self.lag) ** -(1.0 - done)
+
+    @property
+    def corrects(self) -> bool:
+        """Whether backward weights get PipeMare's discrepancy correction."""
+        return self.spec.discrepancy and self.lag > 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One ``optimizer.step()`` with the compensation applied."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            return
+        scale = self.lr_scale
+        saved = [g["lr"] for g in optimizer.param_groups]
+        spike = self._spike_terms() if self.spec.spike and self.lag else None
+        before = [p.detach().clone() for p in self.params] if self.corrects else None
+        try:
+            if scale != 1.0:
+                for g in optimizer.param_groups:
+                    g["lr"] = g["lr"] * scale
+            optimizer.step()
+            if spike is not None:
+                self._apply_spike(spike)
+        finally:
+            for g, lr in zip(optimizer.param_groups, saved, strict=True):
+                g["lr"] = lr
+        if before is not None:
+            self._track(before)
+        self.updates += 1
+
+    def _groups(self) -> list[tuple[nn.Parameter, dict]]:
+        assert self.optimizer is not None
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return [(p, group_of[id(p)]) for p in self.params if id(p) in group_of]
+
+    def _spike_terms(self) -> dict[int, torch.Tensor]:
+        """Before the step: per parameter with a gradient, b times the gradient that enters the
+        momentum (weight decay included), b = (1 - mu^D) / (1 - mu); Adam's times 1 - beta1."""
+        terms = {}
+        for p, group in self._groups():
+            if p.grad is None:
+                continue
+            adam = not isinstance(self.optimizer, torch.optim.SGD)
+            mu = group["betas"][0] if adam else group["momentum"]
+            coupled = not (isinstance(self.optimizer, torch.optim.AdamW)
+                           or group.get("decoupled_weight_decay", False))
+            g = p.grad.detach()
+            if group["weight_decay"] and (not adam or coupled):
+                g = g.add(p.detach(), alpha=group["weight_decay"])
+            b = (1 - mu**self.lag) / (1 - mu)
+            terms[id(p)] = g * (b * (1 - mu) if adam else b)
+        return terms
+
+    def _apply_spike(self, terms: dict[int, torch.Tensor]) -> None:
+        """After the step: turn ``w -= lr v`` into ``w -= lr (mu^D v + b g)``."""
+        assert self.optimizer is not None
+        for p, group in self._groups():
+            if id(p) not in terms:
+                continue
+            state, lr = self.optimizer.state[p], float(group["lr"])
+            if isinstance(self.optimizer, torch.optim.SGD):
+                a = group["momentum"] ** self.lag
+                p.add_(state["momentum_buffer"], alpha=lr * (1 - a)).add_(terms[id(p)], alpha=-lr)
+                continue
+            b1, b2 = group["betas"]
+            a, t = b1**self.lag, float(state["step"])
+            v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+            denom = v.sqrt() / (1 - b2**t) ** 0.5 + group["eps"]
+            change = state["exp_avg"] * (a - 1) + terms[id(p)]
+            p.addcdiv_(change, denom, value=-lr / (1 - b1**t))
+
+    def _track(self, before: list[torch.Tensor]) -> None:
+        """PipeMare's moving average of the weights' change per update."""
+        if self._delta is None:
+            self._delta = [torch.zeros_like(p) for p in self.params]
+        for d, p, old in zip(self._delta, self.params, before, strict=True):
+            d.mul_(self.decay).add_(p.detach() - old, alpha=1 - self.decay)
+
+    @torch.no_grad()
+    def backward_weights(self) -> list[torch.Tensor]:
+        """PipeMare T2: the live weights moved back by ``lag`` average updates, as leaves that
+        take gradients (the live weights themselves before the first update)."""
+        if self._delta is None:
+            return list(self.params)
+        debias = 1 - self.decay**self.updates
+        return [
+            p.detach().add(d, alpha=-self.lag / debias).requires_grad_()
+            for p, d in zip(self.params, self._delta, strict=True)
+        ]

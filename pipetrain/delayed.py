@@ -1,0 +1,135 @@
+"""An asynchronous schedule's update sequence in one thread, for studies of staleness.
+
+PipeDream-style schedules give stage s a fixed lag D_s: update unit k's forward on stage s
+reads the weights of version k - D_s (after that many updates), and its backward becomes the
+stage's update k. :class:`DelayedPipeline` drives the runtime's own :class:`Stage` objects, with
+their weight versions and delay compensation (pipetrain/weights.py, compensation.py), in that
+order without threads or messages: tick t forwards on each stage s the units up to t + D_s
+(inputs from the stage before, which is further ahead), then backpropagates unit t through every
+stage and updates each. A unit is a micro-batch for "pipedream" (an update each) and a whole
+mini-batch for "pipedream-2bw"; a synchronous schedule name gives lag 0 everywhere (plain
+training, one update per unit). The weights are those of :class:`Pipeline` on the same data
+(tests/runtime/test_delayed.py), at a fraction of the cost: what a sweep over learning rates,
+seeds and methods needs (benchmarks/staleness_study.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from pipetrain.compensation import DelayCompensation
+from pipetrain.pipeline import split
+from pipetrain.stage import LossFn, OptimizerFactory, Stage
+from pipetrain.weights import stage_versions
+from schedules import build
+
+Unit = tuple[object, object]  # (input, target) of one update unit
+
+
+class DelayedPipeline:
+    """``model`` split by ``balance``, trained one unit per :meth:`train_step` with the lags of
+    ``schedule`` and Pipeline's asynchronous options."""
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: list[int],
+        *,
+        schedule: str = "pipedream",
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        weight_stashing: bool = True,
+        weight_prediction: str | None = None,
+        delay_compensation: str | DelayCompensation | None = None,
+    ):
+        lags = build(schedule, len(balance), len(balance)).lag or (0,) * len(balance)
+        if not any(lags) and (weight_prediction or not weight_stashing or delay_compensation):
+            raise ValueError(
+                f"schedule {schedule!r} has no lag: weight_stashing, weight_prediction and "
+                "delay_compensation apply to 'pipedream' and 'pipedream-2bw'"
+            )
+        if schedule == "pipedream-2bw" and not weight_stashing and not weight_prediction:
+            raise ValueError(
+                "without stashing a 2BW micro-batch's forward reads the weights live at its own "
+                "forward, some before its unit's predecessor's update and some after; one unit "
+                "per mini-batch cannot show that: study it with Pipeline"
+            )
+        compensation = (
+            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+        )
+        parts = split(model, balance)
+        self.stages = [
+            Stage(module, s, len(parts), offset, torch.device("cpu"), optimizer, loss_fn, "never")
+            for s, (offset, module) in enumerate(parts)
+        ]
+        for stage, lag in zip(self.stages, lags, strict=True):
+            stage.versions = stage_versions(
+                stage._weights, stage.optimizer, lag, 1, weight_stashing, weight_prediction,
+                compensation,
+            )
+            stage.loss_divisor = 1
+        self.lags = list(lags)
+        self._units: dict[int, Unit] = {}  # fed, not yet backpropagated
+        self._fed = 0
+        self._done = 0  # units backpropagated (and updated)
+        self._forwarded = [0] * len(self.stages)  # units forwarded, per stage
+        self._acts: list[dict[int, tuple[torch.Tensor, ...]]] = [{} for _ in self.stages]
+        self.losses: list[float] = []  # per unit, in order, as the last stage computed them
+
+    @property
+    def module(self) -> nn.Sequential:
+        layers = [(k, m) for stage in self.stages for k, m in stage.module.named_children()]
+        return nn.Sequential(OrderedDict(layers))
+
+    def train_step(self, x: object, y: object) -> None:
+        """Feed one unit; run every tick it makes possible."""
+        self._units[self._fed] = (x, y)
+        self._fed += 1
+        while self._fed > self._done + self.lags[0]:
+            self._tick(self._done)
+
+    def flush(self) -> None:
+        """Backpropagate every unit fed (as Pipeline.flush drains the pipeline)."""
+        while self._done < self._fed:
+            self._tick(self._done)
+
+    def eval_step(self, x: object) -> object:
+        """Forward on settled weights (flushes first), in eval mode, without gradients."""
+        self.flush()
+        value = x
+        for stage in self.stages:
+            mode = stage.module.training
+            stage.module.eval()
+            value = stage.forward(0, (), value, training=False)  # under no_grad
+            stage.module.train(mode)
+        return value
+
+    def _tick(self, t: int) -> None:
+        for s in range(len(self.stages)):
+            while self._forwarded[s] <= t + self.lags[s] and self._forwarded[s] < self._fed:
+                self._forward(s, self._forwarded[s])
+                self._forwarded[s] += 1
+        grads: list[torch.Tensor] = []
+        for stage in reversed(self.stages):
+            grads = stage.backward(t, grads)
+        for stage in self.stages:
+            stage.step()
+        del self._units[t]
+        self._done += 1
+
+    def _forward(self, s: int, unit: int) -> None:
+        stage = self.stages[s]
+        x, y = self._units[unit]
+        inputs = self._acts[s].pop(unit) if s else ()
+        value: object = x if not s else inputs[0] if len(inputs) == 1 else inputs
+        output = stage.forward(unit, inputs, value, y if stage.is_last else None, 1)
+        if stage.is_last:
+            self.losses.append(float(stage.losses.pop(unit)))
+            return
+        tensors = output if isinstance(output, tuple) else (output,)
+        self._acts[s + 1][unit] = tuple(
+            t.detach().requires_grad_(t.requires_grad) for t in tensors  # type: ignore[union-attr]
+        )

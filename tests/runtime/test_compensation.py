@@ -1,0 +1,229 @@
+"""Delay compensation (pipetrain/compensation.py) against real optimizer steps and real pipelines.
+
+What each test pins down:
+* spike compensation makes a gradient that arrives D updates late move the weights exactly as
+  the undelayed gradient does from its arrival on (SGD momentum: the whole impulse response);
+* the weight predictor stays exact under each compensation where it was exact without one
+  (constant velocity / constant Adam moments; vanishing gradients for "msnag"), with the
+  learning rate the compensation scales;
+* the learning-rate rules scale the step the real optimizer takes and leave the user's lr alone;
+* PipeMare's discrepancy correction recovers the weights the forward read when the weights
+  move at a constant rate;
+* at lag 0 (one stage) every compensation is plain training (PipeDream: an update per
+  micro-batch; 2BW: per mini-batch), and across processes the results equal the threads run of
+  the same pipeline.
+How close 2BW (lag 1) with prediction comes to synchronous 1F1B at the same mini-batch is a
+measurement, not an identity: benchmarks/staleness_study.py reports it.
+Tolerances: float64 where a formula is checked (1e-12: rounding of a few additions); float32
+pipelines against plain training 1e-5, as in tests/runtime/test_async.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain.compensation import CompensationError, Compensator, DelayCompensation
+from pipetrain.weights import predict
+from tests.runtime.harness import run_ranks, values
+from tests.runtime.models import batches, mlp, reference, sgd
+
+CHUNKS = 4
+
+
+def _param(seed: int = 0) -> nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    return nn.Parameter(torch.randn(7, 5, generator=g, dtype=torch.float64))
+
+
+def _compensator(spec: str | DelayCompensation, optimizer, p, lag: int) -> Compensator:
+    return Compensator(DelayCompensation.parse(spec), optimizer, [p], lag)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_spike_follows_the_undelayed_impulse_response(lag):
+    impulse = torch.randn(7, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    undelayed, delayed = _param(), _param()
+    plain = torch.optim.SGD([undelayed], lr=0.05, momentum=0.9)
+    spiked = _compensator("spike", torch.optim.SGD([delayed], lr=0.05, momentum=0.9), delayed, lag)
+    for step in range(lag + 6):
+        undelayed.grad = impulse.clone() if step == 0 else torch.zeros_like(impulse)
+        plain.step()
+        delayed.grad = impulse.clone() if step == lag else torch.zeros_like(impulse)
+        spiked.step()
+        if step < lag:
+            assert torch.equal(delayed, _param()), "nothing has arrived yet"
+        else:
+            assert torch.allclose(delayed, undelayed, rtol=0, atol=1e-12), step
+
+
+def _optimizer(kind: str, p: nn.Parameter) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD([p], lr=0.05, momentum=0.9, weight_decay=0.01)
+    # (1 - b1)^2 = 1 - b2: gradients equal to m keep both moments (see test_async.py)
+    if kind == "adam":
+        return torch.optim.Adam([p], lr=0.01, betas=(0.9, 0.99))
+    return torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+def _steady_gradient(kind: str, optimizer: torch.optim.Optimizer, p: nn.Parameter):
+    """The gradient that keeps the optimizer's state where it is."""
+    state = optimizer.state[p]
+    if kind == "sgd":  # v <- mu v + (g + wd w): g = (1 - mu) v - wd w
+        return 0.1 * state["momentum_buffer"] - 0.01 * p.detach()
+    return state["exp_avg"].clone()
+
+
+@pytest.mark.parametrize("spec", ["spike", "lag-lr", "spike+lag-lr"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("lag", [1, 3])
+def test_prediction_is_exact_under_compensation(spec, kind, lag):
+    p = _param(2)
+    opt = _optimizer(kind, p)
+    compensator = _compensator(spec, opt, p, lag)
+    p.grad = torch.randn_like(p)
+    opt.step()  # a first plain step builds the optimizer's state
+    predicted = predict(opt, [p], lag, lr_scale=compensator.lr_scale,
+                        spike=compensator.spec.spike)[0]
+    for _ in range(lag):
+        p.grad = _steady_gradient(kind, opt, p)
+        compensator.step()
+    assert torch.allclose(predicted, p.detach(), rtol=0, atol=1e-12)
+    assert opt.param_groups[0]["lr"] == (0.05 if kind == "sgd" else 0.01), "lr restored"
+
+
+@pytest.mark.parametrize("lag", [1, 2, 4])
+def test_msnag_is_exact_under_spike_when_future_gradients_vanish(lag):
+    p = _param(1)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.8)
+    compensator = _compensator("spike", opt, p, lag)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    predicted = predict(opt, [p], lag, "msnag", spike=True)[0]
+    for _ in range(lag):
+        p.grad = torch.zeros_like(p)
+        compensator.step()
+    assert torch.allclose(predicted, p.detach(), rtol=0, atol=1e-12)
+
+
+def test_learning_rate_rules_scale_the_real_step():
+    lag, warmup = 4, 10
+    expected = {"lag-lr": lambda k: 1 / (1 + lag),
+                "pipemare": lambda k: lag ** -(1 - min(k / warmup, 1))}
+    for name, scale in expected.items():
+        p = _param()
+        opt = torch.optim.SGD([p], lr=0.1)  # no momentum: the step is lr * scale * g
+        rule = DelayCompensation.parse(name)
+        compensator = Compensator(
+            DelayCompensation(lr_rule=rule.lr_rule, warmup=warmup), opt, [p], lag
+        )
+        for k in range(2 * warmup):
+            assert compensator.lr_scale == pytest.approx(scale(k), rel=1e-12), (name, k)
+            before = p.detach().clone()
+            p.grad = torch.ones_like(p)
+            compensator.step()
+            assert torch.allclose(before - p.detach(), torch.full_like(p, 0.1 * scale(k)),
+                                  rtol=1e-12, atol=0), (name, k)
+            assert opt.param_groups[0]["lr"] == 0.1
+        assert compensator.lr_scale == 1.0 or name == "lag-lr"
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_discrepancy_correction_recovers_the_weights_the_forward_read(lag):
+    p = _param(3)
+    opt = torch.optim.SGD([p], lr=0.05, momentum=0.9)
+    compensator = Compensator(DelayCompensation(discrepancy=True), opt, [p], lag)
+    velocity = torch.randn_like(p)
+    history = [p.detach().clone()]
+    assert compensator.backward_weights()[0] is p, "no update yet: the live weights"
+    for step in range(8):  # the first gradient sets v; then (1 - mu) v keeps it
+        p.grad = velocity.clone() if step == 0 else 0.1 * velocity
+        compensator.step()
+        history.append(p.detach().clone())
+        if len(history) > lag:
+            corrected = compensator.backward_weights()[0]
+            assert corrected.requires_grad and corrected is not p
+            assert torch.allclose(corrected, history[-1 - lag], rtol=0, atol=1e-12), step
+
+
+# -- pipelines ----------------------------------------------------------------------------------
+
+PIPELINE_CONFIGS = {
+    "spike": dict(delay_compensation="spike"),
+    "lag-lr": dict(delay_compensation="lag-lr"),
+    "pipemare": dict(delay_compensation="pipemare", weight_stashing=False),
+    "spike+predict": dict(delay_compensation="spike", weight_prediction="momentum"),
+    "spike+lag-lr+predict": dict(delay_compensation="spike+lag-lr", weight_prediction="momentum"),
+}
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream-2bw"])
+@pytest.mark.parametrize("name", list(PIPELINE_CONFIGS))
+def test_lag_zero_is_plain_training(name, schedule):
+    data = batches(3)
+    pipe = pipetrain.Pipeline(
+        mlp(), [len(mlp())], chunks=CHUNKS, schedule=schedule, devices=["cpu"],
+        loss_fn=nn.functional.cross_entropy, optimizer=sgd, **PIPELINE_CONFIGS[name],
+    )
+    losses = [pipe.train_step(x, y) for x, y in data]
+    pipe.flush()
+    if schedule == "pipedream":  # an update per micro-batch
+        micro = [(x[k : k + 6], y[k : k + 6]) for x, y in data for k in range(0, 24, 6)]
+        expected_state, expected_losses = reference(mlp(), micro)
+        expected_losses = [sum(expected_losses[4 * c : 4 * c + 4]) / 4 for c in range(3)]
+    else:
+        expected_state, expected_losses = reference(mlp(), data)
+    for key, value in pipe.module.state_dict().items():
+        assert (value - expected_state[key]).abs().max().item() <= 1e-5, key
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+
+
+def _train(devices: bool, name: str, schedule: str = "pipedream", steps: int = 4) -> dict:
+    pipe = pipetrain.Pipeline(
+        mlp(), [4, 8], chunks=CHUNKS, schedule=schedule, loss_fn=nn.functional.cross_entropy,
+        optimizer=sgd, timeout=60, devices=["cpu"] * 2 if devices else None,
+        **PIPELINE_CONFIGS.get(name, {}),
+    )
+    losses = [pipe.train_step(x, y) for x, y in batches(steps)]
+    pipe.flush()
+    return {"losses": losses, "state": pipe.module.state_dict()}
+
+
+def _both(rank: int, world: int) -> dict:
+    return {name: _train(False, name) for name in ("spike+predict", "pipemare")}
+
+
+def test_processes_equal_threads():
+    per_rank = values(run_ranks(_both, 2, deadline=120))
+    for name in ("spike+predict", "pipemare"):
+        here = _train(True, name)
+        assert per_rank[0][name]["losses"] == pytest.approx(here["losses"], abs=1e-6)
+        state = {k: v for r in per_rank for k, v in r[name]["state"].items()}
+        for key, value in here["state"].items():
+            assert (state[key] - value).abs().max().item() <= 1e-6, (name, key)
+    stashed = _train(True, "stash")
+    assert any(not torch.equal(stashed["state"][k], v) for k, v in here["state"].items()), (
+        "the compensation changed nothing"
+    )
+
+
+def test_compensation_options_are_checked():
+    for bad in ("spikes", "spike+spike", "lag-lr+pipemare", ""):
+        with pytest.raises(CompensationError, match="delay_compensation"):
+            DelayCompensation.parse(bad)
+    with pytest.raises(ValueError, match="asynchronous"):
+        pipetrain.Pipeline(mlp(), [4, 8], schedule="1f1b", delay_compensation="spike",
+                           devices=["cpu"] * 2)
+    p = _param()
+    with pytest.raises(CompensationError, match="momentum=0.9"):
+        _compensator("spike", torch.optim.SGD([p], lr=0.1), p, 1)
+    with pytest.raises(CompensationError, match="Adagrad"):
+        pipetrain.Pipeline(
+            mlp(), [4, 8], chunks=2, schedule="pipedream", devices=["cpu"] * 2,
+            loss_fn=nn.functional.cross_entropy, delay_compensation="spike",
+            optimizer=lambda ps: torch.optim.Adagrad(ps),
+        )
+    # the learning-rate rules take any optimizer with an lr
+    _compensator("lag-lr", torch.optim.Adagrad([p]), p, 2).step()

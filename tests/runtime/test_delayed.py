@@ -1,0 +1,71 @@
+"""DelayedPipeline (one thread, one unit at a time) against Pipeline (the executor, stages as
+threads) on the same data: the same losses and weights for each asynchronous policy and delay
+compensation, so that a study run on the first speaks for the second. Tolerance 1e-5 (float32;
+2BW's mini-batch gradient is a sum of micro-batch gradients in the Pipeline and one gradient in
+DelayedPipeline, equal up to rounding)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import pipetrain
+from pipetrain.delayed import DelayedPipeline
+from tests.runtime.models import batches, mlp, reference, sgd
+
+BALANCE = [2, 3, 4, 3]
+CHUNKS = 4
+CONFIGS = {
+    "stash": {},
+    "stale": dict(weight_stashing=False),
+    "predict": dict(weight_prediction="momentum"),
+    "spike+predict": dict(delay_compensation="spike", weight_prediction="momentum"),
+    "pipemare": dict(delay_compensation="pipemare", weight_stashing=False),
+    "lag-lr": dict(delay_compensation="lag-lr"),
+}
+
+
+@pytest.mark.parametrize(("name", "schedule"), [
+    (name, schedule) for name in CONFIGS for schedule in ("pipedream", "pipedream-2bw")
+    if schedule == "pipedream" or CONFIGS[name].get("weight_stashing", True)
+])
+def test_delayed_pipeline_equals_the_pipeline(name, schedule):
+    data = batches(4)
+    pipe = pipetrain.Pipeline(
+        mlp(), BALANCE, chunks=CHUNKS, schedule=schedule, devices=["cpu"] * 4,
+        loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name],
+    )
+    losses = [pipe.train_step(x, y) for x, y in data]
+    delayed = DelayedPipeline(mlp(), BALANCE, schedule=schedule,
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name])
+    micro = schedule == "pipedream"
+    for x, y in data:
+        for k in range(0, len(x), len(x) // CHUNKS) if micro else [0]:
+            end = k + len(x) // CHUNKS if micro else len(x)
+            delayed.train_step(x[k:end], y[k:end])
+    expected = pipe.eval_step(data[0][0])
+    assert (delayed.eval_step(data[0][0]) - expected).abs().max().item() <= 1e-5  # type: ignore[operator]
+    for key, value in pipe.module.state_dict().items():
+        assert (delayed.module.state_dict()[key] - value).abs().max().item() <= 1e-5, key
+    per_step = [sum(delayed.losses[i : i + CHUNKS]) / CHUNKS
+                for i in range(0, len(delayed.losses), CHUNKS)] if micro else delayed.losses
+    assert per_step == pytest.approx(losses, abs=1e-5)
+
+
+def test_synchronous_schedule_is_plain_training():
+    data = batches(3)
+    delayed = DelayedPipeline(mlp(), BALANCE, schedule="1f1b",
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    for x, y in data:
+        delayed.train_step(x, y)
+    delayed.flush()
+    state, losses = reference(mlp(), data)
+    for key, value in state.items():
+        assert (delayed.module.state_dict()[key] - value).abs().max().item() <= 1e-5, key
+    assert delayed.losses == pytest.approx(losses, abs=1e-6)
+    with pytest.raises(ValueError, match="Pipeline"):  # 2BW without stashing: see the message
+        DelayedPipeline(mlp(), BALANCE, schedule="pipedream-2bw", weight_stashing=False,
+                        loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    with pytest.raises(ValueError, match="no lag"):
+        DelayedPipeline(mlp(), BALANCE, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
+                        optimizer=sgd, weight_prediction="momentum")
