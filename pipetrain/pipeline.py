@@ -186,6 +186,7 @@ class Pipeline:
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = None,
     ):
+        planned_ranks = None  # the ranks the plan places its stages on, when it decides that
         if plan is not None:
             plan = load_plan(plan, model)
             if balance is not None and list(balance) != plan.balance:
@@ -196,6 +197,7 @@ class Pipeline:
             chunks = plan.microbatches if chunks is None else chunks
             schedule = schedule or plan.schedule
             checkpoint = checkpoint or plan.checkpoint
+            planned_ranks = plan.pipeline_ranks if schedule == plan.schedule else None
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
@@ -247,6 +249,13 @@ class Pipeline:
                     "device per entry of balance"
                 )
         nranks = pipeline_ranks(schedule, len(parts), devices, group, replicas)
+        placed = devices is not None or dist.is_initialized()
+        if schedule in MULTI_STAGE_PER_RANK and planned_ranks not in (None, nranks) and placed:
+            raise ValueError(
+                f"the plan runs its {len(parts)} {schedule} stages on {planned_ranks} ranks but "
+                f"this pipeline has {nranks}; pass {planned_ranks} devices (or run "
+                f"{planned_ranks} processes per replica)"
+            )
         self.schedule = build(schedule, len(parts), chunks, ranks=nranks)
         validate(self.schedule)
         self._evaluation = forward_only(self.schedule)
