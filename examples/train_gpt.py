@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1"],
                         help="default: the plan's, or 1f1b")
     parser.add_argument("--plan", help="a plan JSON from `pipetrain plan` (else: profile and plan)")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, help="windows per step (default 16, or the plan's)")
     parser.add_argument("--chunks", type=int, help="micro-batches (default 4, or the plan's)")
     parser.add_argument("--context", type=int, default=128, help="bytes per window")
