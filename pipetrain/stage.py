@@ -8,8 +8,8 @@ back) and the outputs (or, on the last stage, the loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -159,6 +159,28 @@ class Stage:
             runner, mapping, (value,), {"target": target}
         )
 
+    @contextmanager
+    def _reporting(self, step: str | Callable[[], str], microbatch: int) -> Iterator[None]:
+        """Raise what fails inside as a StageError naming this stage, ``step`` (a callable:
+        named once it failed) and the micro-batch; a StageError passes as it is."""
+        try:
+            yield
+        except StageError:
+            raise
+        except Exception as error:
+            name = step() if callable(step) else step
+            raise StageError(
+                f"stage {self.index}, {name} of micro-batch {microbatch} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def _forward_step(self) -> str:
+        """The failed part of a forward: the layer it was in, or the loss."""
+        if self._layer < len(self.module):
+            layer = self.module[self._layer]
+            return f"layer {self.offset + self._layer} ({type(layer).__name__}), forward"
+        return "loss_fn, forward"
+
     @property
     def is_first(self) -> bool:
         return self.index == 0
@@ -298,18 +320,13 @@ class Stage:
         outputs = [t for t in stashed.outputs if t.requires_grad]
         grads = self._output_grads(outputs, grads, microbatch)
         wanted = [x for x in stashed.inputs if x.requires_grad]
-        try:
+        with self._reporting("backward", microbatch):
             if not self.split_backward:
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 found = [x.grad for x in wanted]
             else:
                 found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, backward of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         if self.ledger and not self.split_backward:
             self.ledger.release(microbatch)
         return [
@@ -328,7 +345,7 @@ class Stage:
         weights = versions.backward_weights(microbatch)
         outputs_all = stashed.outputs
         wanted = [x for x in stashed.inputs if x.requires_grad]
-        try:
+        with self._reporting("backward", microbatch):
             if versions.recomputes:  # on the live weights, or PipeMare's corrected ones
                 value, target, start = self._targets.pop(microbatch)
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
@@ -346,13 +363,6 @@ class Stage:
                     w.grad = p.grad
             if outputs and wanted + weights:
                 torch.autograd.backward(outputs, list(grads), inputs=wanted + weights)
-        except StageError:
-            raise
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, backward of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         for p, w in zip(self._weights, weights, strict=True):
             if w is not p:
                 p.grad, w.grad = w.grad, None
@@ -396,14 +406,9 @@ class Stage:
         (checkpointed) micro-batch backpropagates its outputs a second time, which recomputes
         its forward once more (non-reentrant checkpointing recomputes once per backward)."""
         work = self._weight_work.pop(microbatch)
-        try:
+        with self._reporting("weight gradients", microbatch):
             for tensors, grads, weights in reversed(work):
                 torch.autograd.backward(tensors, grads, inputs=weights, retain_graph=True)
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, weight gradients of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         if self.ledger:
             self.ledger.release(microbatch)  # the graph goes with ``work``
 
