@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
-from datetime import timedelta
 
-from ranks import spawn_ranks
+from ranks import init_rank, spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
 from timing import rotation
 
@@ -193,24 +191,27 @@ THROUGHPUT = {
 }
 
 
-def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) -> None:
+def time_pipelines(
+    rank: int, port: int, configs: dict, rounds: int, steps: int, batch: int, results
+) -> None:
+    """One of 2 ranks: build a pipeline per entry of ``configs`` (its ``Pipeline`` keyword
+    arguments), then time each in rotation; the first rank reports each one's median step time
+    (the slower rank's), measured in the steady state: the flush after each round is outside."""
     import torch
     import torch.distributed as dist
 
     import pipetrain
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    init_rank(rank, 2, port, 300)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, WIDTH, generator=g), torch.randn(batch, WIDTH, generator=g)
-    pipes = {}
-    for chunks in (4, 8):
-        for name, options in THROUGHPUT.items():
-            pipes[name, chunks] = pipetrain.Pipeline(
-                linear_model(), [BLOCKS, BLOCKS], chunks=chunks, loss_fn=mse, timeout=120,
-                optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9), **options,
-            )
+    pipes = {
+        key: pipetrain.Pipeline(
+            linear_model(), [BLOCKS, BLOCKS], loss_fn=mse, timeout=120,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9), **options,
+        )
+        for key, options in configs.items()
+    }
     times: dict = {key: [] for key in pipes}
     for pipe in pipes.values():  # warm-up
         for _ in range(3):
@@ -225,7 +226,7 @@ def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) ->
             took = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             times[key].append(float(took))
-            pipes[key].flush()  # outside the timing: the steady state is what is measured
+            pipes[key].flush()
     if rank == 0:
         results.put({k: statistics.median(v) for k, v in times.items()})
     dist.barrier()
@@ -233,7 +234,12 @@ def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) ->
 
 
 def throughput_part(rounds: int, steps: int, batch: int) -> None:
-    medians = spawn_ranks(_rank, 2, rounds, steps, batch)
+    configs = {
+        (name, chunks): dict(chunks=chunks, **options)
+        for chunks in (4, 8)
+        for name, options in THROUGHPUT.items()
+    }
+    medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
     print(f"\nthroughput, 2 stages (processes, gloo), {BLOCKS} x Linear({WIDTH})+ReLU, batch "
           f"{batch}; median per-step time over {rounds} rounds of {steps} steps")
     print(f"{'chunks':>6} " + " ".join(f"{n + ' s/step':>17}" for n in THROUGHPUT)

@@ -43,15 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 
-from async_digits import BATCH, CHUNKS, _digits, _mlp
+from async_digits import BATCH, CHUNKS, _digits, _mlp, time_pipelines
 from ranks import spawn_ranks
-from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
+from schedules_throughput import BLOCKS, WIDTH
 
 PIPEDREAM = {
     "sync-micro": dict(schedule="1f1b"),
@@ -288,48 +286,12 @@ THROUGHPUT = {
 }
 
 
-def _rank(rank: int, port: int, rounds: int, steps: int, batch: int, results) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import pipetrain
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, WIDTH, generator=g), torch.randn(batch, WIDTH, generator=g)
-    pipes = {
-        name: pipetrain.Pipeline(
-            linear_model(), [BLOCKS, BLOCKS], chunks=8, loss_fn=mse, timeout=120,
-            schedule="pipedream", **options,
-            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9),
-        )
+def throughput_part(rounds: int, steps: int, batch: int) -> None:
+    configs = {
+        name: dict(chunks=8, schedule="pipedream", **options)
         for name, options in THROUGHPUT.items()
     }
-    times: dict = {key: [] for key in pipes}
-    for pipe in pipes.values():  # warm-up
-        for _ in range(3):
-            pipe.train_step(x, y)
-    keys = list(pipes)
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                pipes[key].train_step(x, y)
-            took = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            times[key].append(float(took))
-            pipes[key].flush()
-    if rank == 0:
-        results.put({k: statistics.median(v) for k, v in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def throughput_part(rounds: int, steps: int, batch: int) -> None:
-    medians = spawn_ranks(_rank, 2, rounds, steps, batch)
+    medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
     print(f"\nthroughput, PipeDream over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
           f"batch {batch} in 8 micro-batches; median per-step time over {rounds} rounds of "
           f"{steps} steps")

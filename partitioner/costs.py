@@ -35,20 +35,65 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.profile import Profile
-from schedules import build, simulate
+from schedules import Kind, Schedule, build, simulate
+from schedules.generators import MULTI_STAGE_PER_RANK
 
 CHECKPOINT = ("never", "always")
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
 
 
-def inflight(schedule: str, stages: int, microbatches: int) -> list[int]:
-    """Micro-batches whose activations stage s holds at once: GPipe m, 1F1B min(m, S - s);
-    any other schedule is asked of the simulator."""
+def pipeline_schedule(
+    schedule: str, stages: int, microbatches: int, virtual_stages: int = 2
+) -> Schedule:
+    """The schedule ``schedule`` for ``stages`` stages. A schedule that puts several stages on a
+    rank ("interleaved") runs them as ``virtual_stages`` stages per rank on
+    ``stages / virtual_stages`` ranks, stage s on rank s mod ranks."""
+    if schedule not in MULTI_STAGE_PER_RANK:
+        return build(schedule, stages, microbatches)
+    if virtual_stages < 1 or stages % virtual_stages:
+        v = max(virtual_stages, 1)
+        near = sorted({max(stages // v, 1) * v, (stages // v + 1) * v})
+        raise ValueError(
+            f"schedule {schedule!r} puts virtual_stages={virtual_stages} stages on each rank, "
+            f"so stages must be a positive multiple of it, got stages={stages}; use "
+            f"{' or '.join(map(str, near))} stages, or a virtual stage count that divides "
+            f"{stages}"
+        )
+    return build(schedule, stages, microbatches, ranks=stages // virtual_stages)
+
+
+def inflight(
+    schedule: str, stages: int, microbatches: int, virtual_stages: int = 2
+) -> list[int]:
+    """Micro-batches whose activations stage s holds at once: GPipe m, 1F1B min(m, S - s).
+    Any other synchronous schedule is counted along each rank's actions (a forward stores a
+    micro-batch, the backward frees it, or the W if the backward is split), per stage even
+    where stages share a rank; an asynchronous one is asked of the simulator."""
     if schedule == "gpipe":
         return [microbatches] * stages
     if schedule == "1f1b":
         return [min(microbatches, stages - s) for s in range(stages)]
-    return list(simulate(build(schedule, stages, microbatches), 1.0, 1.0).peak_inflight)
+    built = pipeline_schedule(schedule, stages, microbatches, virtual_stages)
+    if built.asynchronous:
+        return list(simulate(built, 1.0, 1.0).peak_inflight)
+    frees = Kind.WEIGHT if built.splits_backward else Kind.BACKWARD
+    held, peak = [0] * stages, [0] * stages
+    for ops in built.actions.values():
+        for action in ops:
+            if action.kind is Kind.FORWARD:
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind is frees:
+                held[action.stage] -= 1
+    return peak
+
+
+def weight_gradient_share(backward: float, param_count: int) -> float:
+    """The W (weight-gradient) part of a layer's measured ``backward``, for schedules that
+    split the backward into B and W (zero bubble). A profile times the whole backward only, so
+    this takes the zero-bubble paper's assumption (Qi et al. 2023): B and W cost the same, half
+    the backward each, for a layer with parameters; a layer without any has no W."""
+    return backward / 2 if param_count > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +106,8 @@ class Problem:
     """
 
     forward: np.ndarray  # (L,) seconds
-    backward: np.ndarray  # (L,) seconds
+    backward: np.ndarray  # (L,) seconds, the whole backward
+    weight_gradient: np.ndarray  # (L,) seconds: the W part of backward (zero-bubble schedules)
     weight_bytes: np.ndarray  # (L,) int64: parameters + gradients + optimizer state
     activation_bytes: np.ndarray  # (L,) int64
     param_bytes: np.ndarray  # (L,) int64, what a replicated stage all-reduces
@@ -124,6 +170,7 @@ def make_problem(
     backward: Values | None = None,
     *,
     stages: int,
+    weight_gradient: Values | None = None,
     weight_bytes: Values | None = None,
     activation_bytes: Values | None = None,
     param_bytes: Values | None = None,
@@ -139,7 +186,9 @@ def make_problem(
     allreduce_bandwidth: float | None = None,
 ) -> Problem:
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
-    resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries."""
+    resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
+    ``weight_gradient`` is the part of each layer's backward that computes weight gradients
+    (zero when omitted: the whole backward is input gradient)."""
     n = len(forward)
     if n < 1:
         raise ValueError("nothing to split: no layers")
@@ -147,6 +196,9 @@ def make_problem(
         raise ValueError(f"stages must be >= 1, got {stages}")
     fwd = _layer_array(forward, n, float, "forward")
     bwd = _layer_array(backward, n, float, "backward")
+    wgrad = _layer_array(weight_gradient, n, float, "weight_gradient")
+    if (wgrad > bwd).any():
+        raise ValueError("weight_gradient is part of backward: it cannot exceed it")
     cuts, ok = _cut_arrays(cut_bytes, allowed, n)
     if microbatches < 1:
         raise ValueError(f"a step needs at least one micro-batch, got {microbatches}")
@@ -168,6 +220,7 @@ def make_problem(
     return Problem(
         forward=fwd,
         backward=bwd,
+        weight_gradient=wgrad,
         weight_bytes=_layer_array(weight_bytes, n, np.int64, "weight_bytes"),
         activation_bytes=_layer_array(activation_bytes, n, np.int64, "activation_bytes"),
         param_bytes=_layer_array(param_bytes, n, np.int64, "param_bytes"),
@@ -200,13 +253,15 @@ def problem_from_profile(
     microbatch_size: int | None = None,
     schedule: str = "1f1b",
     checkpoint: str = "never",
+    virtual_stages: int = 2,
     speed: Sequence[float] | None = None,
     memory: int | None | Sequence[int | None] = None,
     bandwidth: float | Sequence[float] = math.inf,
     devices: int | None = None,
 ) -> Problem:
     """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
-    (default: the profile's batch size) under ``schedule``."""
+    (default: the profile's batch size) under ``schedule`` (with ``virtual_stages`` stages per
+    rank if it is "interleaved"). Each layer's W time is :func:`weight_gradient_share`."""
     if checkpoint not in CHECKPOINT:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT}, got {checkpoint!r}")
     size = profile.batch_size if microbatch_size is None else microbatch_size
@@ -227,12 +282,15 @@ def problem_from_profile(
         [layer.forward * scale for layer in layers],
         [layer.backward * scale for layer in layers],
         stages=stages,
+        weight_gradient=[
+            weight_gradient_share(layer.backward * scale, layer.param_count) for layer in layers
+        ],
         weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
         activation_bytes=act,
         param_bytes=[layer.param_bytes for layer in layers],
         cut_bytes=cut,
         allowed=allowed,
-        inflight=inflight(schedule, stages, microbatches),
+        inflight=inflight(schedule, stages, microbatches, virtual_stages),
         checkpoint=checkpoint == "always",
         speed=speed,
         memory=memory,
@@ -282,6 +340,7 @@ class StageCost:
     replicas: int
     forward: float  # seconds per micro-batch on one of its devices, divided by replicas
     backward: float
+    weight: float  # the part of backward that computes weight gradients (W)
     compute: float  # forward + backward + amortised all-reduce
     allreduce: float  # seconds per mini-batch
     link: float  # seconds the outgoing link is busy per micro-batch (0 for the last stage)
@@ -317,6 +376,7 @@ def evaluate(
                 replicas=r,
                 forward=float(problem.forward[i:j].sum()) / divisor,
                 backward=float(problem.backward[i:j].sum()) / divisor,
+                weight=float(problem.weight_gradient[i:j].sum()) / divisor,
                 compute=float(prefix[j] - prefix[i]),
                 allreduce=2.0 * (r - 1) / r * grads / problem.allreduce_bandwidth,
                 link=0.0 if last else float(link_time(problem, t)[j]),

@@ -8,14 +8,16 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from partitioner.costs import StageCost, evaluate, problem_from_profile
+from partitioner.costs import StageCost, evaluate, pipeline_schedule, problem_from_profile
 from partitioner.dp import Split, solve
+from partitioner.errors import InfeasibleError
 from partitioner.ilp import solve_ilp
 from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
 from partitioner.topology import chain_order, is_uniform, link_bandwidths, memory_of, speed_of
 from partitioner.units import parse_bandwidth, parse_bytes
-from schedules import Simulation, build, simulate
+from schedules import Simulation, simulate
+from schedules.generators import MULTI_STAGE_PER_RANK
 
 SOLVERS = ("auto", "dp", "ilp")
 
@@ -38,6 +40,7 @@ def plan(
     solver: str = "auto",
     cores: int | None = None,
     overhead: float = 0.0,
+    virtual_stages: int = 2,
 ) -> Plan:
     """Split ``profile`` into ``stages`` stages for ``microbatches`` micro-batches per step.
 
@@ -51,6 +54,11 @@ def plan(
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
     runtime spends ``overhead`` seconds of its own per action.
+
+    Under "interleaved", ``stages`` counts virtual stages (the length of the balance): they run
+    ``virtual_stages`` to a rank on ``stages / virtual_stages`` ranks, stage s on rank
+    s mod ranks, and ``memory`` caps the sum of a rank's stages. Under "zb-h1"/"zb-h2" each
+    layer's backward is split into B and W by :func:`partitioner.costs.weight_gradient_share`.
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
@@ -62,6 +70,12 @@ def plan(
     count: int | None = None if isinstance(devices, nx.Graph) else devices
     ranks: list[list[int]] = []
     use_ilp = solver == "ilp"
+    interleaved = schedule in MULTI_STAGE_PER_RANK
+    if interleaved and devices is not None:
+        raise ValueError(
+            f"schedule {schedule!r} places its stages on stages / virtual_stages ranks itself; "
+            "leave out devices (replicas and device graphs are for one stage per rank)"
+        )
     if isinstance(devices, nx.Graph):
         if devices.number_of_nodes() != stages:
             raise ValueError(
@@ -81,20 +95,46 @@ def plan(
         microbatch_size=microbatch_size,
         schedule=schedule,
         checkpoint=checkpoint,
+        virtual_stages=virtual_stages,
         speed=speed,
         memory=caps,
         bandwidth=links,
         devices=count,
     )
     split = solve_ilp(problem) if use_ilp else solve(problem)
+    if interleaved:
+        ranks = [[t % (stages // virtual_stages)] for t in range(stages)]
+        _check_rank_memory(split.stages, ranks, cap)
     if not ranks:
         first = [sum(split.replicas[:t]) for t in range(stages)]
         ranks = [list(range(a, a + r)) for a, r in zip(first, split.replicas, strict=True)]
     size = profile.batch_size if microbatch_size is None else microbatch_size
     host = Host(cores, overhead)
     return _make_plan(
-        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host
+        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host,
+        virtual_stages,
     )
+
+
+def _check_rank_memory(
+    stages: Sequence[StageCost], ranks: Sequence[list[int]], cap: int | None
+) -> None:
+    """Raise InfeasibleError when the stages sharing a rank need more than ``cap`` bytes.
+
+    The split is chosen for time; with several stages per rank the memory cap applies to
+    their sum, which the per-stage solvers do not see, so it is checked here."""
+    if cap is None:
+        return
+    need: dict[int, int] = {}
+    for cost, where in zip(stages, ranks, strict=True):
+        need[where[0]] = need.get(where[0], 0) + cost.memory
+    rank, most = max(need.items(), key=lambda item: item[1])
+    if most > cap:
+        raise InfeasibleError(
+            f"rank {rank} holds {most:,} bytes of its stages, over the memory cap of "
+            f"{cap:,} bytes; raise the cap or use more ranks (fewer virtual stages per rank)",
+            smallest_cap=None,
+        )
 
 
 def predict(
@@ -105,9 +145,17 @@ def predict(
     message: Sequence[float],
     optimizer_step: Sequence[float],
     host: Host | None = None,
+    *,
+    weight: Sequence[float] | None = None,
+    virtual_stages: int = 2,
 ) -> Simulation:
     """The planner's prediction of one step: ``schedule`` simulated on per-stage costs
     (``message``: per boundary, the seconds one activation takes at the link's bandwidth).
+
+    ``backward`` is each stage's whole backward and ``weight`` (default none) the part of it
+    that computes weight gradients: a zero-bubble schedule runs that part as its W actions,
+    the rest as B; any other schedule runs the whole backward as B. "interleaved" runs
+    ``virtual_stages`` stages per rank.
 
     On a ``host`` with ``cores`` the stages are processes sharing that many processors: they run
     slower while more stages run than there are cores, and a message is a memory copy out of
@@ -117,10 +165,12 @@ def predict(
     (``pipetrain trace``)."""
     host = host or Host()
     shared = host.cores is not None
+    w = [0.0] * len(backward) if weight is None else list(weight)
     return simulate(
-        build(schedule, len(forward), microbatches),
+        pipeline_schedule(schedule, len(forward), microbatches, virtual_stages),
         forward=forward,
-        backward=backward,
+        backward=[b - x for b, x in zip(backward, w, strict=True)],
+        weight=w,
         transfer=0.0 if shared else message,
         copy=message if shared else 0.0,
         optimizer_step=optimizer_step,
@@ -139,6 +189,7 @@ def _make_plan(
     checkpoint: str,
     by_ilp: bool,
     host: Host,
+    virtual_stages: int,
 ) -> Plan:
     """The Plan of a split, its step predicted by the schedule simulator."""
     stages = split.stages
@@ -150,6 +201,8 @@ def _make_plan(
         [s.message for s in stages[:-1]],
         [s.allreduce for s in stages],
         host,
+        weight=[s.weight for s in stages],
+        virtual_stages=virtual_stages,
     )
     step = simulation.step_time
     per_stage = []
@@ -163,6 +216,7 @@ def _make_plan(
                 param_counts=[layer.param_count for layer in layers],
                 forward_time=s.forward,
                 backward_time=s.backward,
+                weight_time=s.weight,
                 compute_time=s.compute,
                 allreduce_time=s.allreduce,
                 transfer_time=s.message,
@@ -204,6 +258,7 @@ def stage_costs(
     microbatch_size: int | None = None,
     checkpoint: str = "never",
     bandwidth: float | str | None = None,
+    virtual_stages: int = 2,
 ) -> list[StageCost]:
     """What the planner's cost model says each stage of the split ``balance`` costs per
     micro-batch (a split chosen by hand, e.g. a uniform one, to compare with a plan)."""
@@ -220,6 +275,7 @@ def stage_costs(
         microbatch_size=microbatch_size,
         schedule=schedule,
         checkpoint=checkpoint,
+        virtual_stages=virtual_stages,
         bandwidth=math.inf if bandwidth is None else parse_bandwidth(bandwidth),
     )
     return evaluate(problem, [0, *(c + 1 for c in cut_layers(balance)), len(profile.layers)])
@@ -235,6 +291,7 @@ def simulate_split(
     checkpoint: str = "never",
     bandwidth: float | str | None = None,
     host: Host | None = None,
+    virtual_stages: int = 2,
 ) -> Simulation:
     """The planner's prediction of a split (:func:`partitioner.predict` on
     :func:`stage_costs`), e.g. of a uniform one to compare with a plan."""
@@ -246,6 +303,7 @@ def simulate_split(
         microbatch_size=microbatch_size,
         checkpoint=checkpoint,
         bandwidth=bandwidth,
+        virtual_stages=virtual_stages,
     )
     return predict(
         schedule,
@@ -255,4 +313,6 @@ def simulate_split(
         [s.message for s in costs[:-1]],
         [0.0] * len(costs),
         host,
+        weight=[s.weight for s in costs],
+        virtual_stages=virtual_stages,
     )

@@ -15,7 +15,7 @@ JSON format (``version`` 1; times in seconds, sizes in bytes)::
         {"layers": [0, 3], "ranks": [0], "names": ["0", "1", "2"], "param_counts": [10, 0, 20],
          "forward_time": 0.004, "backward_time": 0.008, "compute_time": 0.012,
          "allreduce_time": 0.0, "transfer_time": 0.0004, "transfer_bytes": 1048576,
-         "memory_bytes": 123456789},
+         "memory_bytes": 123456789, "weight_time": 0.004},
         ...
       ]
     }
@@ -24,8 +24,11 @@ JSON format (``version`` 1; times in seconds, sizes in bytes)::
 micro-batch (a replicated stage's replicas take turns, so its times are divided by the number of
 ranks); ``compute_time`` is forward + backward + the all-reduce amortised over the step's
 micro-batches, ``allreduce_time`` the all-reduce once per step; ``transfer_time`` and
-``transfer_bytes`` describe one activation message to the next stage. ``host`` says what the
-prediction assumed beyond the profile (see :class:`Host`).
+``transfer_bytes`` describe one activation message to the next stage; ``weight_time`` (optional,
+0 when absent) is the part of ``backward_time`` that computes weight gradients, which the
+zero-bubble schedules run apart (see ``partitioner.costs.weight_gradient_share``). Under
+"interleaved" several stages share a rank (``stage_to_rank`` [0, 1, 0, 1]: 2 ranks).
+``host`` says what the prediction assumed beyond the profile (see :class:`Host`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class StagePlan:
     transfer_time: float
     transfer_bytes: int
     memory_bytes: int
+    weight_time: float = 0.0  # the part of backward_time that computes weight gradients (W)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,11 @@ class Plan:
     def param_counts(self) -> list[int]:
         """Parameter count of each layer in model order."""
         return [count for stage in self.per_stage for count in stage.param_counts]
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """How many ranks run one pipeline (fewer than stages under "interleaved")."""
+        return len({rank for stage in self.per_stage for rank in stage.ranks})
 
     def ranks(self, stage: int) -> list[int]:
         """The ranks that run ``stage`` (more than one when it is replicated)."""
@@ -206,12 +215,17 @@ class Plan:
 
 
 def _typed_fields(
-    cls: type, data: dict[str, Any], where: str, skip: tuple[str, ...] = ()
+    cls: type, data: dict[str, Any], where: str, skip: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """The fields of dataclass ``cls`` read from ``data``, each of the type ``cls`` declares."""
+    """The fields of dataclass ``cls`` read from ``data``, each of the type ``cls`` declares;
+    those named in ``optional`` take their default when absent."""
     hints = get_type_hints(cls)
     return {
-        f.name: typed(data, f.name, hints[f.name], where, PlanFileError)
+        f.name: typed(
+            data, f.name, hints[f.name], where, PlanFileError,
+            *((f.default,) if f.name in optional else ()),
+        )
         for f in fields(cls)
         if f.name not in skip
     }
@@ -236,6 +250,6 @@ def _host_from_dict(data: Any) -> Host:
 def _stage_from_dict(data: Any, index: int) -> StagePlan:
     if not isinstance(data, dict):
         raise PlanFileError(f"stage {index} must be an object")
-    values = _typed_fields(StagePlan, data, f"stage {index}")
+    values = _typed_fields(StagePlan, data, f"stage {index}", optional=("weight_time",))
     values["layers"] = tuple(values["layers"])
     return StagePlan(**values)

@@ -41,6 +41,7 @@ from partitioner import (
 from pipetrain import __version__
 from pipetrain.errors import CheckpointError
 from schedules import GENERATORS, Simulation
+from schedules.generators import SPLIT_BACKWARD
 
 PROG = "pipetrain"
 PIPEDREAM_PREFIX = "pipedream:"
@@ -247,7 +248,25 @@ def describe_plan(plan: Plan) -> str:
         f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
         f"{plan.checkpoint}, solver {plan.solver}; profiled on {plan.device}"
     )
-    return head + "\n" + plan.table()
+    return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
+
+
+def schedule_notes(plan: Plan) -> list[str]:
+    """What the prediction assumed of the plan's schedule beyond the profile."""
+    notes = []
+    if plan.pipeline_ranks < plan.stages:
+        notes.append(
+            f"{plan.schedule} runs the {plan.stages} stages on {plan.pipeline_ranks} ranks, "
+            f"{plan.stages // plan.pipeline_ranks} virtual stages per rank (stage s on rank "
+            f"s mod {plan.pipeline_ranks}); train with {plan.pipeline_ranks} devices"
+        )
+    if plan.schedule in SPLIT_BACKWARD:
+        notes.append(
+            f"{plan.schedule} splits each backward into B (input gradient) and W (weight "
+            "gradient); the profile times only the whole backward, so W is taken as half of it "
+            "for layers with parameters and 0 for the rest (the zero-bubble paper's B = W)"
+        )
+    return notes
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -269,6 +288,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             solver=args.solver,
             cores=host.cores,
             overhead=host.overhead,
+            virtual_stages=args.virtual_stages,
         )
     except InfeasibleError as error:
         message = " ".join(str(error).split())
@@ -296,10 +316,12 @@ class _StageCosts:
     balance: list[int]
     forward: list[float]
     backward: list[float]
+    weight: list[float]
     transfer: list[float]
     allreduce: list[float]
     memory: list[int] | None
     host: Host
+    virtual_stages: int
     note: str = ""
 
 
@@ -323,10 +345,12 @@ def _plan_costs(args: argparse.Namespace) -> _StageCosts:
         balance=plan.balance,
         forward=[s.forward_time for s in plan.per_stage],
         backward=[s.backward_time for s in plan.per_stage],
+        weight=[s.weight_time for s in plan.per_stage],
         transfer=[s.transfer_time for s in plan.per_stage[:-1]],
         allreduce=[s.allreduce_time for s in plan.per_stage],
         memory=None,
         host=_host(args, plan.host),
+        virtual_stages=plan.stages // plan.pipeline_ranks,
     )
 
 
@@ -348,6 +372,7 @@ def _profile_costs(args: argparse.Namespace) -> _StageCosts:
         microbatch_size=size,
         checkpoint=args.checkpoint,
         bandwidth=args.bandwidth,
+        virtual_stages=args.virtual_stages,
     )
     refused = [c for c in cut_layers(balance) if not profile.cut_allowed(c)]
     note = (
@@ -363,10 +388,12 @@ def _profile_costs(args: argparse.Namespace) -> _StageCosts:
         balance=balance,
         forward=[s.forward for s in costs],
         backward=[s.backward for s in costs],
+        weight=[s.weight for s in costs],
         transfer=[s.message for s in costs[:-1]],
         allreduce=[0.0] * len(costs),
         memory=[s.memory for s in costs],
         host=_host(args),
+        virtual_stages=args.virtual_stages,
         note=note,
     )
 
@@ -381,12 +408,14 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
         header += f" {'memory GiB':>10}"
     rows = [header]
     start = 0
+    ranks = len(result.busy)  # fewer than the stages under "interleaved"
     for t, count in enumerate(c.balance):
+        rank = t % ranks
         row = (
             f"{t:>5} {start:>5}-{start + count - 1:<5} {_ms(c.forward[t]):>10} "
             f"{_ms(c.backward[t]):>11} {_ms(c.transfer[t]) if t < len(c.transfer) else '-':>8} "
-            f"{_ms(result.busy[t]):>9} {result.stage_bubble(t):>7.1%} "
-            f"{result.peak_inflight[t]:>14}"
+            f"{_ms(result.busy[rank]):>9} {result.stage_bubble(rank):>7.1%} "
+            f"{result.peak_inflight[rank]:>14}"
         )
         if c.memory is not None:
             row += f" {c.memory[t] / 2**30:>10.3f}"
@@ -402,7 +431,14 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
         )
         + c.host.describe()
     )
-    rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
+    if ranks < len(c.balance):
+        rows.append(
+            f"busy, bubble and peak in-flight are those of the stage's rank (stage s runs on "
+            f"rank s mod {ranks})"
+        )
+        rows.append(f"peak in-flight micro-batches per rank: {list(result.peak_inflight)}")
+    else:
+        rows.append(f"peak in-flight micro-batches per stage: {list(result.peak_inflight)}")
     if c.note:
         rows.append(c.note)
     return rows
@@ -414,7 +450,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     c = _plan_costs(args) if _is_plan(args.source) else _profile_costs(args)
     try:
         result = predict(
-            c.schedule, c.microbatches, c.forward, c.backward, c.transfer, c.allreduce, c.host
+            c.schedule, c.microbatches, c.forward, c.backward, c.transfer, c.allreduce, c.host,
+            weight=c.weight, virtual_stages=c.virtual_stages,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -501,6 +538,13 @@ def _add_planning_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="the stages are processes sharing this many cores of one host (a CPU machine): "
         "predict with processor sharing, messages as copies at --bandwidth",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="under --schedule interleaved: stages per rank, so ranks = stages / this "
+        "(default 2)",
     )
     p.add_argument(
         "--overhead-ms",

@@ -25,6 +25,7 @@ from pipetrain.stage import (
 )
 from pipetrain.update import check_options
 from schedules import GENERATORS
+from schedules.generators import MULTI_STAGE_PER_RANK
 
 RUNNABLE = frozenset(  # the executor runs
     {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw"}
@@ -76,11 +77,23 @@ class PipelineConfig:
     progress: bool | int
     checkpoint_dir: str | os.PathLike | None
     checkpoint_every: int
+    planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
 
     @property
     def asynchronous(self) -> bool:
         """Whether the schedule never flushes between steps (PipeDream's family)."""
         return self.schedule in ASYNCHRONOUS
+
+    def check_planned_ranks(self, ranks: int, placed: bool) -> None:
+        """Refuse to run a plan's virtual stages on other than its number of ranks, once the
+        devices or processes are ``placed`` (known)."""
+        planned = self.planned_ranks
+        if self.schedule in MULTI_STAGE_PER_RANK and planned not in (None, ranks) and placed:
+            raise ValueError(
+                f"the plan runs its {len(self.balance)} {self.schedule} stages on {planned} "
+                f"ranks but this pipeline has {ranks}; pass {planned} devices (or run "
+                f"{planned} processes per replica)"
+            )
 
     @classmethod
     def resolve(
@@ -109,8 +122,9 @@ class PipelineConfig:
         delay_compensation: str | DelayCompensation | None = None,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
+        planned_ranks = None
         if plan is not None:
-            balance, chunks, schedule, checkpoint = _from_plan(
+            balance, chunks, schedule, checkpoint, planned_ranks = _from_plan(
                 load_plan(plan, model), balance, chunks, schedule, checkpoint
             )
         if balance is None:
@@ -150,19 +164,23 @@ class PipelineConfig:
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            planned_ranks=planned_ranks,
         )
 
 
 def _from_plan(
     plan: Plan, balance: Sequence[int] | None, chunks: int | None, schedule: str | None,
     checkpoint: str | None,
-) -> tuple[Sequence[int], int, str, str | None]:
+) -> tuple[Sequence[int], int, str, str | None, int | None]:
     """The plan's balance, and its micro-batch count, schedule and checkpoint mode where the
-    caller left them out; a different balance is refused."""
+    caller left them out (a different balance is refused); and the ranks it runs the stages
+    on when its schedule is the one in force."""
     if balance is not None and list(balance) != plan.balance:
         raise ValueError(f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one")
     chunks = plan.microbatches if chunks is None else chunks
-    return plan.balance, chunks, schedule or plan.schedule, checkpoint or plan.checkpoint
+    schedule = schedule or plan.schedule
+    planned_ranks = plan.pipeline_ranks if schedule == plan.schedule else None
+    return plan.balance, chunks, schedule, checkpoint or plan.checkpoint, planned_ranks
 
 
 def _check_asynchronous_options(

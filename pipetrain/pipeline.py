@@ -188,6 +188,7 @@ class Pipeline:
             config.timeout, config.checkpoint, config.precision
         )
         ranks = pipeline_ranks(config.schedule, len(parts), devices, group, replicas)
+        config.check_planned_ranks(ranks, placed=devices is not None or dist.is_initialized())
         self.schedule = build(config.schedule, len(parts), config.chunks, ranks=ranks)
         validate(self.schedule)
         self._evaluation = forward_only(self.schedule)

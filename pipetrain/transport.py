@@ -129,9 +129,10 @@ class DistributedTransport(Transport):
         if self._aborted:
             return
         self._aborted = True
-        self._ask(lambda store: store.compare_set(self._key, "", reason))
+        first = self._ask(lambda store: store.compare_set(self._key, "", reason)) == reason.encode()
         self._close_links()
-        self._await_acknowledgements()
+        if first:  # the root cause: the others stop because of it
+            self._await_acknowledgements()
         dist.destroy_process_group(self.group)
 
     def _close_links(self) -> None:

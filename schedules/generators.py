@@ -240,6 +240,9 @@ GENERATORS: dict[str, Callable[[int, int], Schedule]] = {
 # schedules that place several stages on one rank: build() needs ranks= for them
 MULTI_STAGE_PER_RANK = frozenset({"interleaved"})
 
+# schedules that split the backward into B (input gradient) and W (weight gradient)
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2"})
+
 
 def build(name: str, stages: int, microbatches: int, *, ranks: int | None = None) -> Schedule:
     """The schedule called ``name`` for ``stages`` stages and ``microbatches`` micro-batches.

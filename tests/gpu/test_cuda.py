@@ -31,16 +31,6 @@ needs_two_gpus = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def true_fp32():
-    if GPUS:
-        before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        yield
-        torch.backends.cuda.matmul.allow_tf32 = before
-    else:
-        yield
-
 
 def _on(data, device: str):
     return [(x.to(device), y.to(device)) for x, y in data]

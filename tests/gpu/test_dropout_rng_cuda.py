@@ -25,16 +25,6 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def true_fp32():
-    if GPUS:
-        before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        yield
-        torch.backends.cuda.matmul.allow_tf32 = before
-    else:
-        yield
-
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])

@@ -42,9 +42,13 @@ def sgd(params):
 
 
 @pytest.fixture(scope="module")
-def plan_path(tmp_path_factory):
+def measured():
     sample = torch.randn(BATCH // CHUNKS, 3, SIDE, SIDE)
-    measured = pipetrain.profile(model(), sample, warmup=0, repeats=1)  # the documented entry
+    return pipetrain.profile(model(), sample, warmup=0, repeats=1)  # the documented entry
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory, measured):
     plan = make_plan(measured, stages=2, microbatches=CHUNKS, schedule="1f1b")
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
@@ -84,6 +88,28 @@ def test_plan_drives_an_in_process_pipeline(plan_path):
     expected_state, expected_losses = reference()
     assert_same_state(pipe.module.state_dict(), expected_state)
     assert losses == pytest.approx(expected_losses, abs=1e-6)
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("zb-h1", 2), ("interleaved", 4)])
+def test_a_plan_for_a_split_backward_or_interleaved_schedule_trains(
+    tmp_path, measured, schedule, stages
+):
+    """zb-h1 runs each backward as B and W; interleaved runs the plan's 4 stages on 2 devices."""
+    path = tmp_path / "plan.json"
+    make_plan(measured, stages=stages, microbatches=CHUNKS, schedule=schedule).save(path)
+    pipe = pipetrain.Pipeline(
+        model(), plan=path, devices=["cpu", "cpu"], loss_fn=nn.functional.cross_entropy,
+        optimizer=sgd,
+    )
+    assert pipe.schedule.name == schedule and len(pipe.balance) == stages
+    assert pipe.schedule.ranks == 2
+    losses = [pipe.train_step(x, y) for x, y in data()]
+    expected_state, expected_losses = reference()
+    assert_same_state(pipe.module.state_dict(), expected_state)
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+    if schedule == "interleaved":
+        with pytest.raises(ValueError, match="on 2 ranks but this pipeline has 4; pass 2 devices"):
+            pipetrain.Pipeline(model(), plan=path, devices=["cpu"] * 4)
 
 
 def _train_from_plan(rank: int, world: int, path: str) -> dict:
