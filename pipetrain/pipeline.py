@@ -100,7 +100,8 @@ class Pipeline:
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
     model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
     schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
-    ``checkpoint`` holds the mode in force.
+    ``checkpoint`` holds the mode in force, ``config`` every option as resolved
+    (pipetrain/config.py).
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
