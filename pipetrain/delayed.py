@@ -16,6 +16,7 @@ seeds and methods needs (benchmarks/staleness_study.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 
 import torch
 from torch import nn
@@ -62,15 +63,17 @@ class DelayedPipeline:
         )
         parts = split(model, balance)
         self.stages = [
-            Stage(module, s, len(parts), offset, torch.device("cpu"), optimizer, loss_fn, "never")
-            for s, (offset, module) in enumerate(parts)
-        ]
-        for stage, lag in zip(self.stages, lags, strict=True):
-            stage.versions = stage_versions(
-                stage._weights, stage.optimizer, lag, 1, weight_stashing, weight_prediction,
-                compensation,
+            Stage(
+                module=module, index=s, count=len(parts), offset=offset,
+                device=torch.device("cpu"), optimizer=optimizer, loss_fn=loss_fn,
+                checkpoint="never", loss_divisor=1,
+                weight_versions=partial(
+                    stage_versions, lag=lag, update_every=1, weight_stashing=weight_stashing,
+                    weight_prediction=weight_prediction, compensation=compensation,
+                ),
             )
-            stage.loss_divisor = 1
+            for s, ((offset, module), lag) in enumerate(zip(parts, lags, strict=True))
+        ]
         self.lags = list(lags)
         self._units: dict[int, Unit] = {}  # fed, not yet backpropagated
         self._fed = 0

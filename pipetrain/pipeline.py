@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -26,50 +27,29 @@ from pipetrain import checkpointing, microbatch
 from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.compensation import DelayCompensation
+from pipetrain.config import PipelineConfig, check_balance
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
-from pipetrain.planning import load_plan
 from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
-from pipetrain.stage import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    Stage,
-    checkpoint_stop,
-    default_checkpoint,
-)
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
-from pipetrain.update import Update, check_options, learning_rate
+from pipetrain.update import Update, learning_rate
 from pipetrain.weights import stage_versions
-from schedules import GENERATORS, Kind, Schedule, build, drain, for_call, validate
+from schedules import Kind, Schedule, build, drain, for_call, validate
 from schedules.generators import MULTI_STAGE_PER_RANK
 
-RUNNABLE = frozenset(  # the executor runs
-    {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw"}
-)
+Tie = tuple[nn.Parameter, tuple[int, ...]]  # a weight shared by stages, and those stages
 
 
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
     """(offset, slice) per stage; slices keep the full model's state_dict keys."""
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"Pipeline takes an nn.Sequential, got {type(model).__name__}")
-    balance = list(balance)
-    if not balance or any(not isinstance(b, int) or b < 1 for b in balance):
-        raise ValueError(f"balance {balance} must list a positive number of layers per stage")
-    if sum(balance) != len(model):
-        n, p = len(model), len(balance)
-        even = [n // p + (i < n % p) for i in range(p)]
-        raise ValueError(
-            f"balance {balance} sums to {sum(balance)} but the model has {len(model)} layers; "
-            f"make the entries sum to {len(model)}"
-            + (f" (e.g. {even})" if min(even) > 0 else "")
-        )
+    balance = check_balance(model, balance)
     bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
     slices = [cast(nn.Sequential, model[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     return list(zip(bounds, slices, strict=False))
@@ -92,6 +72,11 @@ def pipeline_ranks(
     """How many ranks run the pipeline: one per stage, except for schedules that put several
     stages on a rank, where the devices (or the processes of one replica) count them."""
     if schedule not in MULTI_STAGE_PER_RANK:
+        if devices is not None and len(devices) != stages:
+            raise ValueError(
+                f"devices lists {len(devices)} devices for {stages} stages; give one "
+                "device per entry of balance"
+            )
         return stages
     if devices is not None:
         ranks = len(devices)
@@ -115,7 +100,8 @@ class Pipeline:
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
     model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
     schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
-    ``checkpoint`` holds the mode in force.
+    ``checkpoint`` holds the mode in force, ``config`` every option as resolved
+    (pipetrain/config.py).
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
@@ -186,185 +172,177 @@ class Pipeline:
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = None,
     ):
-        planned_ranks = None  # the ranks the plan places its stages on, when it decides that
-        if plan is not None:
-            plan = load_plan(plan, model)
-            if balance is not None and list(balance) != plan.balance:
-                raise ValueError(
-                    f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one"
-                )
-            balance = plan.balance
-            chunks = plan.microbatches if chunks is None else chunks
-            schedule = schedule or plan.schedule
-            checkpoint = checkpoint or plan.checkpoint
-            planned_ranks = plan.pipeline_ranks if schedule == plan.schedule else None
-        if balance is None:
-            raise ValueError("say how to split the model: pass balance=[...] or plan=...")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ValueError(
-                f"timeout must be a positive number of seconds (how long a stage waits for a "
-                f"peer before giving up), got {timeout!r}"
-            )
-        chunks = 1 if chunks is None else chunks
-        schedule = schedule or "1f1b"
-        asynchronous = schedule in ("pipedream", "pipedream-2bw")
-        if asynchronous and checkpoint not in (None, "never"):
-            raise ValueError(
-                f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
-                f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
-                "weights instead: use checkpoint='never'"
-            )
-        if not asynchronous and (
-            weight_prediction is not None or not weight_stashing or delay_compensation is not None
-        ):
-            raise ValueError(
-                "weight_stashing, weight_prediction and delay_compensation apply to the "
-                f"asynchronous schedules 'pipedream' and 'pipedream-2bw', not to {schedule!r}"
-            )
-        compensation = (
-            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+        self.config = config = PipelineConfig.resolve(
+            model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+            loss_fn=loss_fn, optimizer=optimizer, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm, track_memory=track_memory, trace=trace,
+            progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            weight_stashing=weight_stashing, weight_prediction=weight_prediction,
+            precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
+            delay_compensation=delay_compensation,
         )
-        checkpoint = checkpoint or default_checkpoint(schedule)
-        dtype = check_options(
-            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
+        if config.deferred_batch_norm:
+            model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
+        parts, ties = split(model, config.balance), tied_parameters(model, config.balance)
+        self.balance, self.chunks = list(config.balance), config.chunks
+        self.timeout, self.checkpoint, self.precision = (
+            config.timeout, config.checkpoint, config.precision
         )
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        checkpoint_stop(checkpoint, chunks)
-        if deferred_batch_norm:
-            model = cast(nn.Sequential, DeferredBatchNorm.convert(model, chunks))
-        if schedule in GENERATORS and schedule not in RUNNABLE:
-            raise ValueError(
-                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
-                f"the runtime does not execute it yet; train with one of {sorted(RUNNABLE)}"
-            )
-        parts = split(model, balance)
-        ties = tied_parameters(model, balance)
-        self.balance = list(balance)
-        self.chunks, self.timeout, self.checkpoint = chunks, timeout, checkpoint
-        if devices is not None and schedule not in MULTI_STAGE_PER_RANK:
-            if len(devices) != len(parts):
-                raise ValueError(
-                    f"devices lists {len(devices)} devices for {len(parts)} stages; give one "
-                    "device per entry of balance"
-                )
-        nranks = pipeline_ranks(schedule, len(parts), devices, group, replicas)
-        placed = devices is not None or dist.is_initialized()
-        if schedule in MULTI_STAGE_PER_RANK and planned_ranks not in (None, nranks) and placed:
-            raise ValueError(
-                f"the plan runs its {len(parts)} {schedule} stages on {planned_ranks} ranks but "
-                f"this pipeline has {nranks}; pass {planned_ranks} devices (or run "
-                f"{planned_ranks} processes per replica)"
-            )
-        self.schedule = build(schedule, len(parts), chunks, ranks=nranks)
+        ranks = pipeline_ranks(config.schedule, len(parts), devices, group, replicas)
+        config.check_planned_ranks(ranks, placed=devices is not None or dist.is_initialized())
+        self.schedule = build(config.schedule, len(parts), config.chunks, ranks=ranks)
         validate(self.schedule)
         self._evaluation = forward_only(self.schedule)
+        seeds = draw_seeds(len(parts))  # every stage's, in every process: see pipetrain/rng.py
+        if devices is not None:
+            self._assemble_threads(parts, ties, devices, seeds)
+        else:
+            self._assemble_processes(model, parts, ties, group, replicas, seeds)
+        self._start_training(ties)
+        logger.info(
+            "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
+            len(parts), self.balance, config.schedule, config.chunks,
+            [s.index for s in self.stages],
+        )
+
+    # -- assembly: every stage as a thread here, or this process's stages of a torchrun job --
+
+    def _assemble_threads(
+        self, parts: list[tuple[int, nn.Sequential]], ties: list[Tie],
+        devices: Sequence[str | torch.device], seeds: list[int],
+    ) -> None:
+        """Every stage here, stage s on its rank's device, the ranks linked by a LocalHub. A
+        shared weight is one tensor here: the first stage using it steps it."""
+        hub = LocalHub([torch.device(d) for d in devices])
+        rank_of = self.schedule.rank_of
+        for _, stages in ties:
+            if len({hub.devices[rank_of(s)] for s in stages}) > 1:
+                raise ValueError(
+                    f"stages {list(stages)} share a weight but sit on different devices; "
+                    "put them on one device or untie the weight"
+                )
+        self._refuse_unsupported(ties, replicas=1)
+        self.stages = [
+            self._build_stage(
+                parts, s, hub.devices[rank_of(s)], seeds[s],
+                owned_elsewhere=frozenset(
+                    id(p) for p, stages in ties if s in stages and s != stages[0]
+                ),
+            )
+            for s in range(len(parts))
+        ]
+        self.transports: list[Transport] = [hub.endpoint(r) for r in range(self.schedule.ranks)]
+        self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(self.schedule.ranks)
+        self.stage: int | None = None
+        self._world: dist.ProcessGroup | None = None
+
+    def _assemble_processes(
+        self, model: nn.Sequential, parts: list[tuple[int, nn.Sequential]], ties: list[Tie],
+        group: dist.ProcessGroup | None, replicas: int | None, seeds: list[int],
+    ) -> None:
+        """This rank's stages of a torchrun job, after every rank agrees on the settings.
+        Weights shared across ranks are summed over those ranks; on one rank, the stages using
+        a weight share one tensor and the first of them steps it."""
+        config, rank_of = self.config, self.schedule.rank_of
+        self._threads = None
+        self._world = group  # every rank of every replica: the step's agreement
+        rank_sets = [tuple(sorted({rank_of(s) for s in stages})) for _, stages in ties]
+        cross = [r for r in rank_sets if len(r) > 1]
+        with quiet_io_threads():
+            self.placement = join(group, self.schedule.ranks, replicas, cross, config.timeout)
+        check_same(
+            fingerprint(
+                model, balance=self.balance, chunks=config.chunks, schedule=config.schedule,
+                checkpoint=config.checkpoint, replicas=self.placement.replicas,
+                weight_stashing=config.weight_stashing,
+                weight_prediction=config.weight_prediction,
+            ),
+            self.placement.pipeline_group, self.placement.pipeline_ranks,
+        )
+        self._refuse_unsupported(ties, self.placement.replicas)
+        here = self.schedule.stages_on(self.placement.stage)
+        self.stage = here[0]
+        device = local_device()
+        owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
+                 if any(s in here for s in stages)}
+        for s in here:  # the gradient all-reduces bind their buffers on the device
+            parts[s][1].to(device)
+        self.stages = [
+            self._build_stage(
+                parts, s, device, seeds[s],
+                owned_elsewhere=frozenset(i for i, o in owner.items() if o != s),
+                syncs=_gradient_syncs(
+                    parts[s][1], s, self.placement, ties, config.timeout, rank_of, owner
+                ),
+            )
+            for s in here
+        ]
+        self._ranks, self._group = self.placement.pipeline_ranks, self.placement.pipeline_group
+        self.transports = [DistributedTransport(self._group, self._ranks, device)]
+
+    def _refuse_unsupported(self, ties: list[Tie], replicas: int) -> None:
+        """The asynchronous schedules run neither replicas nor weights tied across stages."""
+        if self.schedule.asynchronous and (ties or replicas > 1):
+            raise ValueError(
+                f"schedule {self.config.schedule!r} does not support data-parallel replicas or "
+                "weights tied across stages yet; use a synchronous schedule for those"
+            )
+
+    def _build_stage(
+        self, parts: list[tuple[int, nn.Sequential]], index: int, device: torch.device,
+        seed: int, owned_elsewhere: frozenset[int], syncs: Sequence[GradientSync] = (),
+    ) -> Stage:
+        """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
+        versions, and under "pipedream" every micro-batch is an update of its own."""
+        config, schedule = self.config, self.schedule
+        offset, module = parts[index]
+        versions = None
+        if schedule.asynchronous:
+            versions = partial(
+                stage_versions, lag=schedule.lag[index], update_every=schedule.update_every,
+                weight_stashing=config.weight_stashing,
+                weight_prediction=config.weight_prediction, compensation=config.compensation,
+            )
+        return Stage(
+            module=module, index=index, count=len(parts), offset=offset, device=device,
+            optimizer=config.optimizer, loss_fn=config.loss_fn, checkpoint=config.checkpoint,
+            track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
+            split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
+            autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
+            weight_versions=versions,
+            loss_divisor=1 if config.schedule == "pipedream" else None,
+        )
+
+    def _start_training(self, ties: list[Tie]) -> None:
+        """The state of training: the step across stages (fp16's loss scale, clipping), the
+        asynchronous pipeline's counters, tracing, progress, and a resumed checkpoint."""
+        config = self.config
+        self.scaler = LossScaler() if config.precision == "fp16" else None
+        self._update: Update | None = None
+        if config.clip_grad_norm is not None or self.scaler is not None:
+            self._update = Update(
+                self.stages, config.clip_grad_norm, self.scaler,
+                {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
+                1 if self._threads is not None else self.placement.replicas,
+            )
         self._calls = 0  # asynchronous: train_steps since the last flush
         self._fed = 0  # asynchronous: micro-batches fed so far (their global numbers)
         self._call_lists: dict[int, Schedule] = {}
         self._failed: str | None = None
         self._loss: tuple[torch.Tensor, dist.Work | None] | None = None  # on its way
-        rank_of = self.schedule.rank_of
-        seeds = draw_seeds(len(parts))  # every stage's, in every process: see pipetrain/rng.py
-
-        def make_stage(s: int, device: torch.device, owned_elsewhere: frozenset = frozenset()):
-            offset, module = parts[s]
-            return Stage(
-                module, s, len(parts), offset, device, optimizer, loss_fn, checkpoint,
-                track_memory, owned_elsewhere, self.schedule.splits_backward,
-                lr_scheduler=lr_scheduler, autocast_dtype=dtype, seed=seeds[s],
-            )
-
-        if devices is not None:
-            hub = LocalHub([torch.device(d) for d in devices])
-            for _, stages in ties:
-                if len({hub.devices[rank_of(s)] for s in stages}) > 1:
-                    raise ValueError(
-                        f"stages {list(stages)} share a weight but sit on different devices; "
-                        "put them on one device or untie the weight"
-                    )
-            # A shared weight is one tensor here: the first stage using it steps it.
-            elsewhere = [
-                frozenset(id(p) for p, stages in ties if s in stages and s != stages[0])
-                for s in range(len(parts))
-            ]
-            self.stages = [
-                make_stage(s, hub.devices[rank_of(s)], elsewhere[s]) for s in range(len(parts))
-            ]
-            self.transports: list[Transport] = [hub.endpoint(r) for r in range(nranks)]
-            self._threads: ThreadPoolExecutor | None = ThreadPoolExecutor(nranks)
-            self.stage = None
-        else:
-            self._threads = None
-            # Weights shared across ranks are summed over those ranks; on one rank, the stages
-            # using a weight share one tensor and the first of them steps it.
-            rank_sets = [tuple(sorted({rank_of(s) for s in stages})) for _, stages in ties]
-            cross = [r for r in rank_sets if len(r) > 1]
-            with quiet_io_threads():
-                self.placement = join(group, nranks, replicas, cross, timeout)
-            check_same(
-                fingerprint(
-                    model, balance=self.balance, chunks=chunks, schedule=schedule,
-                    checkpoint=checkpoint, replicas=self.placement.replicas,
-                    weight_stashing=weight_stashing, weight_prediction=weight_prediction,
-                ),
-                self.placement.pipeline_group, self.placement.pipeline_ranks,
-            )
-            here = self.schedule.stages_on(self.placement.stage)
-            self.stage = here[0]
-            ranks, p2p = self.placement.pipeline_ranks, self.placement.pipeline_group
-            device = local_device()
-            owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
-                     if any(s in here for s in stages)}
-            self.stages = [
-                make_stage(s, device, frozenset(i for i, o in owner.items() if o != s))
-                for s in here
-            ]
-            for stage in self.stages:
-                stage.syncs = _gradient_syncs(
-                    stage, self.placement, ties, timeout, rank_of, owner
-                )
-            self.transports = [DistributedTransport(p2p, ranks, device)]
-            self._ranks, self._group = ranks, p2p
-        if self.schedule.asynchronous:
-            if ties or (self._threads is None and self.placement.replicas > 1):
-                raise ValueError(
-                    f"schedule {schedule!r} does not support data-parallel replicas or weights "
-                    "tied across stages yet; use a synchronous schedule for those"
-                )
-            for stage in self.stages:
-                stage.versions = stage_versions(
-                    stage._weights, stage.optimizer, self.schedule.lag[stage.index],
-                    self.schedule.update_every, weight_stashing, weight_prediction, compensation,
-                )
-                if schedule == "pipedream":
-                    stage.loss_divisor = 1  # every micro-batch is an update of its own
-        self.precision = precision
-        self.scaler = LossScaler() if precision == "fp16" else None
-        self._update: Update | None = None
-        self._world = group  # every rank of every replica: the step's agreement
-        if clip_grad_norm is not None or self.scaler is not None:
-            self._update = Update(
-                self.stages, clip_grad_norm, self.scaler,
-                {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
-                1 if self._threads is not None else self.placement.replicas,
-            )
         self._carry = [Carry() for _ in self.transports]
-        self._trace_dir = trace or os.environ.get("PIPETRAIN_TRACE") or None
         self._recorders = (
-            self._start_tracing() if self._trace_dir else [None] * len(self.transports)
+            self._start_tracing() if config.trace else [None] * len(self.transports)
         )
-        self._progress = Progress(None if progress is True else int(progress)) if progress else None
+        self._progress = (
+            Progress(None if config.progress is True else int(config.progress))
+            if config.progress else None
+        )
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
-        self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
-        if checkpoint_dir is not None:
-            self.load(checkpoint_dir)
-        logger.info(
-            "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
-            len(parts), self.balance, schedule, chunks, [s.index for s in self.stages],
-        )
+        if config.checkpoint_dir is not None:
+            self.load(config.checkpoint_dir)
 
     def _start_tracing(self) -> list[Recorder | None]:
         if self._threads is not None:
@@ -376,7 +354,7 @@ class Pipeline:
 
     def save_trace(self, folder: str | os.PathLike | None = None) -> list[Path]:
         """Write this process's trace records (done at exit too when tracing)."""
-        folder = folder or self._trace_dir
+        folder = folder or self.config.trace
         if folder is None:
             raise ValueError("tracing is off: pass Pipeline(..., trace=DIR) or a folder here")
         return [r.save(Path(folder)) for r in self._recorders if r is not None]
@@ -430,9 +408,9 @@ class Pipeline:
         self._record_metrics(
             value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
         )
-        every = self._checkpoint_every
-        if self._checkpoint_dir is not None and every and self.step % every == 0:
-            self.save(self._checkpoint_dir)
+        every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
+        if folder is not None and every and self.step % every == 0:
+            self.save(folder)
         return value
 
     def _call_list(self, call: int) -> Schedule:
@@ -658,7 +636,7 @@ def _check_batches(x: object, y: object) -> None:
 
 
 def _gradient_syncs(
-    stage: Stage, placement: Placement, ties: list[tuple[nn.Parameter, tuple[int, ...]]],
+    module: nn.Module, index: int, placement: Placement, ties: list[Tie],
     timeout: float, rank_of: Callable[[int], int], owner: dict[int, int],
 ) -> list[GradientSync]:
     """All-reduces before each optimizer step: one per set of ranks sharing weights (summed
@@ -666,8 +644,8 @@ def _gradient_syncs(
     weight reduces it), one over replicas for the rest."""
     scale = 1.0 / placement.replicas
     mine = [
-        p for p in stage.module.parameters()
-        if p.requires_grad and owner.get(id(p), stage.index) == stage.index
+        p for p in module.parameters()
+        if p.requires_grad and owner.get(id(p), index) == index
     ]
     ranks_of = {id(p): tuple(sorted({rank_of(s) for s in stages})) for p, stages in ties}
     syncs = []

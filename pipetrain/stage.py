@@ -8,8 +8,8 @@ back) and the outputs (or, on the last stage, the loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -31,6 +31,8 @@ CHECKPOINT_MODES = ("never", "except_last", "always")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+# an asynchronous stage's weight versions, from its trained weights and optimizer
+VersionsFactory = Callable[[list[nn.Parameter], torch.optim.Optimizer | None], WeightVersions]
 
 
 def checkpoint_stop(mode: str, chunks: int) -> int:
@@ -39,6 +41,23 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
     if mode not in stops:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
     return stops[mode]
+
+
+def build_optimizer(
+    params: list[nn.Parameter], optimizer: OptimizerFactory | None,
+    lr_scheduler: SchedulerFactory | None,
+) -> tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LRScheduler | None]:
+    """A stage's optimizer of ``params`` (None without a factory or weights) and its
+    learning-rate schedule, one stepped per update."""
+    built = optimizer(params) if optimizer is not None and params else None
+    scheduler = lr_scheduler(built) if lr_scheduler and built is not None else None
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "ReduceLROnPlateau steps on a validation metric, not once per update: call its "
+            "step(metric) yourself on pipe.stages[i].optimizer, or pass a per-update "
+            "schedule (LambdaLR, CosineAnnealingLR, ...) as lr_scheduler"
+        )
+    return built, scheduler
 
 
 def default_checkpoint(schedule: str) -> str:
@@ -89,15 +108,23 @@ class Stage:
         optimizer: OptimizerFactory | None,
         loss_fn: LossFn | None,
         checkpoint: str,
+        *,
         track_memory: bool = False,
         owned_elsewhere: frozenset[int] = frozenset(),
         split_backward: bool = False,
         lr_scheduler: SchedulerFactory | None = None,
         autocast_dtype: torch.dtype | None = None,
         seed: int | None = None,
+        syncs: Sequence[GradientSync] = (),
+        weight_versions: VersionsFactory | None = None,
+        loss_divisor: int | None = None,
     ):
         """``seed`` starts the stage's random stream (pipetrain/rng.py); by default one drawn
-        from the global generator."""
+        from the global generator. ``syncs`` all-reduce gradients before each optimizer step
+        (their parameters must already be on ``device``). ``weight_versions`` makes the stage
+        asynchronous (pipetrain/weights.py), its losses divided by ``loss_divisor`` (default:
+        the micro-batch count; 1 when every micro-batch is an update of its own, as in
+        PipeDream)."""
         self.module = module.to(device)
         self.rng = StageRng(draw_seeds(1)[0] if seed is None else seed, device)
         self.index, self.count, self.offset = index, count, offset
@@ -109,23 +136,14 @@ class Stage:
         params = [
             p for p in self.module.parameters() if p.requires_grad and id(p) not in owned_elsewhere
         ]
-        self.optimizer = optimizer(params) if optimizer is not None and params else None
-        self.scheduler = (
-            lr_scheduler(self.optimizer) if lr_scheduler and self.optimizer is not None else None
-        )
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError(
-                "ReduceLROnPlateau steps on a validation metric, not once per update: call its "
-                "step(metric) yourself on pipe.stages[i].optimizer, or pass a per-update "
-                "schedule (LambdaLR, CosineAnnealingLR, ...) as lr_scheduler"
-            )
+        self.optimizer, self.scheduler = build_optimizer(params, optimizer, lr_scheduler)
         # Mixed precision (pipetrain/precision.py): the autocast dtype (None: fp32), the loss
         # scale the last stage's backward starts from, and whether the optimizer step waits
         # for pipetrain/update.py (global clipping, fp16's agreed overflow check).
         self.autocast_dtype = autocast_dtype
         self.loss_scale = 1.0
         self.defer_update = False
-        self.syncs: list[GradientSync] = []  # gradient all-reduces before each optimizer step
+        self.syncs = list(syncs)  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
         # "stale" recomputation: the inputs, target and random state of the forward
@@ -140,10 +158,11 @@ class Stage:
         # else (and for recomputed micro-batches) W backpropagates the stage's outputs again.
         self._layer_weights = per_layer if distinct else None
         self._weight_work: dict[int, list[_WeightWork]] = {}
-        # Asynchronous schedules: which weights each micro-batch reads (pipetrain/weights.py),
-        # and the loss divisor (1 when every micro-batch is its own update, as in PipeDream).
-        self.versions: WeightVersions | None = None
-        self.loss_divisor: int | None = None
+        # Asynchronous schedules: which weights each micro-batch reads (pipetrain/weights.py).
+        self.versions = (
+            weight_versions(self._weights, self.optimizer) if weight_versions is not None else None
+        )
+        self.loss_divisor = loss_divisor
         self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
 
     def _functional(
@@ -158,6 +177,28 @@ class Stage:
         return lambda value: torch.func.functional_call(
             runner, mapping, (value,), {"target": target}
         )
+
+    @contextmanager
+    def _reporting(self, step: str | Callable[[], str], microbatch: int) -> Iterator[None]:
+        """Raise what fails inside as a StageError naming this stage, ``step`` (a callable:
+        named once it failed) and the micro-batch; a StageError passes as it is."""
+        try:
+            yield
+        except StageError:
+            raise
+        except Exception as error:
+            name = step() if callable(step) else step
+            raise StageError(
+                f"stage {self.index}, {name} of micro-batch {microbatch} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def _forward_step(self) -> str:
+        """The failed part of a forward: the layer it was in, or the loss."""
+        if self._layer < len(self.module):
+            layer = self.module[self._layer]
+            return f"layer {self.offset + self._layer} ({type(layer).__name__}), forward"
+        return "loss_fn, forward"
 
     @property
     def is_first(self) -> bool:
@@ -191,22 +232,11 @@ class Stage:
         return its output. In training, stash what backward needs; on the last stage compute
         the loss against ``target``."""
         self._layer = 0
-        try:
-            with self.rng.forward() as start:
-                if not training:
-                    with torch.no_grad():
-                        return self._run_and_score(value, None, score=False)
-                output, cuts = self._train_forward(microbatch, inputs, value, target, chunks, start)
-        except Exception as error:
-            if self._layer < len(self.module):
-                layer = self.module[self._layer]
-                where = f"layer {self.offset + self._layer} ({type(layer).__name__})"
-            else:
-                where = "loss_fn"
-            raise StageError(
-                f"stage {self.index}, {where}, forward of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
+        with self._reporting(self._forward_step, microbatch), self.rng.forward() as start:
+            if not training:
+                with torch.no_grad():
+                    return self._run_and_score(value, None, score=False)
+            output, cuts = self._train_forward(microbatch, inputs, value, target, chunks, start)
         if self.is_last:
             loss = cast(torch.Tensor, output)
             self.losses[microbatch] = loss.detach()
@@ -298,18 +328,13 @@ class Stage:
         outputs = [t for t in stashed.outputs if t.requires_grad]
         grads = self._output_grads(outputs, grads, microbatch)
         wanted = [x for x in stashed.inputs if x.requires_grad]
-        try:
+        with self._reporting("backward", microbatch):
             if not self.split_backward:
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 found = [x.grad for x in wanted]
             else:
                 found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, backward of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         if self.ledger and not self.split_backward:
             self.ledger.release(microbatch)
         return [
@@ -328,7 +353,7 @@ class Stage:
         weights = versions.backward_weights(microbatch)
         outputs_all = stashed.outputs
         wanted = [x for x in stashed.inputs if x.requires_grad]
-        try:
+        with self._reporting("backward", microbatch):
             if versions.recomputes:  # on the live weights, or PipeMare's corrected ones
                 value, target, start = self._targets.pop(microbatch)
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
@@ -346,13 +371,6 @@ class Stage:
                     w.grad = p.grad
             if outputs and wanted + weights:
                 torch.autograd.backward(outputs, list(grads), inputs=wanted + weights)
-        except StageError:
-            raise
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, backward of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         for p, w in zip(self._weights, weights, strict=True):
             if w is not p:
                 p.grad, w.grad = w.grad, None
@@ -396,14 +414,9 @@ class Stage:
         (checkpointed) micro-batch backpropagates its outputs a second time, which recomputes
         its forward once more (non-reentrant checkpointing recomputes once per backward)."""
         work = self._weight_work.pop(microbatch)
-        try:
+        with self._reporting("weight gradients", microbatch):
             for tensors, grads, weights in reversed(work):
                 torch.autograd.backward(tensors, grads, inputs=weights, retain_graph=True)
-        except Exception as error:
-            raise StageError(
-                f"stage {self.index}, weight gradients of micro-batch {microbatch} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
         if self.ledger:
             self.ledger.release(microbatch)  # the graph goes with ``work``
 
