@@ -77,16 +77,7 @@ def plan(
             "leave out devices (replicas and device graphs are for one stage per rank)"
         )
     if isinstance(devices, nx.Graph):
-        if devices.number_of_nodes() != stages:
-            raise ValueError(
-                f"a device graph must have one device per stage ({stages}), it has "
-                f"{devices.number_of_nodes()}; pass devices=<int> to replicate stages"
-            )
-        order = chain_order(devices)
-        speed = [speed_of(devices, r) for r in order]
-        caps = [_min_cap(cap, memory_of(devices, r)) for r in order]
-        links = link_bandwidths(devices, order)
-        ranks = [[r] for r in order]
+        speed, caps, links, ranks = _on_graph(devices, stages, cap, link)
         use_ilp = use_ilp or (solver == "auto" and not is_uniform(devices))
     problem = problem_from_profile(
         profile,
@@ -114,6 +105,21 @@ def plan(
         profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host,
         virtual_stages,
     )
+
+
+def _on_graph(
+    devices: nx.Graph, stages: int, cap: int | None, link: float
+) -> tuple[list[float], list[int | None], list[float], list[list[int]]]:
+    """Per stage along the device chain: speed, memory cap and link bandwidth, and its rank."""
+    if devices.number_of_nodes() != stages:
+        raise ValueError(
+            f"a device graph must have one device per stage ({stages}), it has "
+            f"{devices.number_of_nodes()}; pass devices=<int> to replicate stages"
+        )
+    order = chain_order(devices)
+    speed = [speed_of(devices, r) for r in order]
+    caps = [_min_cap(cap, memory_of(devices, r)) for r in order]
+    return speed, caps, link_bandwidths(devices, order), [[r] for r in order]
 
 
 def _check_rank_memory(

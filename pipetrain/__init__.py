@@ -5,9 +5,16 @@ from importlib.metadata import PackageNotFoundError, version
 from pipetrain.checkpointing import consolidate
 from pipetrain.compensation import DelayCompensation
 from pipetrain.distributed import init_distributed
-from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
+from pipetrain.errors import (
+    CheckpointError,
+    CommunicationTimeout,
+    PeerError,
+    PipelineError,
+    StageError,
+)
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+from pipetrain.weights import PredictionError
 
 try:
     __version__ = version("pipetrain")
@@ -15,11 +22,13 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "CheckpointError",
     "CommunicationTimeout",
     "DelayCompensation",
     "PeerError",
     "Pipeline",
     "PipelineError",
+    "PredictionError",
     "StageError",
     "__version__",
     "consolidate",
