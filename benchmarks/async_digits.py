@@ -44,14 +44,15 @@ from ranks import init_rank, spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
 from timing import rotation
 
+PLAIN = dict(weight_prediction=None, delay_compensation=None)  # not the default's remedies
 VARIANTS = {
     "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
     "sync-micro": dict(schedule="1f1b", checkpoint="never", chunks=1),
-    "async-stale": dict(schedule="pipedream", weight_stashing=False),
-    "async-stash": dict(schedule="pipedream"),
-    "async-predict": dict(schedule="pipedream", weight_prediction="momentum"),
-    "async-msnag": dict(schedule="pipedream", weight_prediction="msnag"),
-    "2bw": dict(schedule="pipedream-2bw"),
+    "async-stale": dict(PLAIN, schedule="pipedream", weight_stashing=False),
+    "async-stash": dict(PLAIN, schedule="pipedream"),
+    "async-predict": dict(PLAIN, schedule="pipedream", weight_prediction="momentum"),
+    "async-msnag": dict(PLAIN, schedule="pipedream", weight_prediction="msnag"),
+    "2bw": dict(PLAIN, schedule="pipedream-2bw"),
 }
 BATCH, CHUNKS, TEST = 64, 8, 512
 REFERENCE = {  # the synchronous run with the same update sequence as the variant

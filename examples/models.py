@@ -152,14 +152,15 @@ class Block(nn.Module):
 
 class Head(nn.Module):
     """Final norm and the projection to the vocabulary, whose weight is the token embedding's
-    (tied, as in GPT-2): (batch, time, dim) -> (batch, time, vocab) logits."""
+    when ``tied`` (as in GPT-2): (batch, time, dim) -> (batch, time, vocab) logits."""
 
-    def __init__(self, embedding: Embedding):
+    def __init__(self, embedding: Embedding, tied: bool = True):
         super().__init__()
         vocab, dim = embedding.tokens.weight.shape
         self.norm = nn.LayerNorm(dim)
         self.project = nn.Linear(dim, vocab, bias=False)
-        self.project.weight = embedding.tokens.weight
+        if tied:
+            self.project.weight = embedding.tokens.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(self.norm(x))
@@ -173,17 +174,19 @@ def gpt(
     context: int = 128,
     dropout: float = 0.0,
     seed: int = 0,
+    tied: bool = True,
 ) -> nn.Sequential:
     """A decoder-only language model (GPT-2's shape): token + position embedding, ``blocks``
     pre-norm causal self-attention blocks, and a head tied to the token embedding, so a split
-    puts one weight on the first and the last stage. Input: token ids (batch, time <=
+    puts one weight on the first and the last stage (``tied=False``: a head of its own, for the
+    asynchronous schedules, which do not take tied weights). Input: token ids (batch, time <=
     context), int64; output: logits (batch, time, vocab); train with :func:`lm_loss`. The
     default vocabulary of 256 reads text as bytes. Weights start as GPT-2's: N(0, 0.02)."""
     torch.manual_seed(seed)
     embedding = Embedding(vocab, dim, context, dropout)
     layers: list[nn.Module] = [embedding]
     layers += [Block(dim, heads, dropout) for _ in range(blocks)]
-    layers.append(Head(embedding))
+    layers.append(Head(embedding, tied))
     model = nn.Sequential(*layers)
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):

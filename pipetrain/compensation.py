@@ -16,6 +16,14 @@ with "+" (``"spike+lag-lr"``) and with ``weight_prediction``:
   "momentum"/"spectrain" and Adam predictors stay exact in the same cases.
 * ``"lag-lr"``: the stage's learning rate divided by 1 + D (a baseline: a smaller step where the
   gradient is older).
+* ``"lag-momentum"``: the stage's momentum lengthened to average over k = 1 + 2D times as many
+  updates, mu' = 1 - (1 - mu) / k, and SGD's learning rate divided by k, so that the long-run
+  step of a steady gradient, lr / (1 - mu), is unchanged (Adam's beta1 likewise, its lr kept:
+  Adam's step is an average, not a sum). Each update is k times smaller and the velocity turns
+  k times more slowly, so a gradient D updates old disturbs it less and the constant-velocity
+  prediction ("momentum") is closer to the truth. On a quadratic (SGD, mu = 0.9, prediction)
+  the largest stable lr times curvature of a lag-3 stage grows from 0.074 to 0.21 (0.33 with
+  spike compensation; synchronous: 3.8); docs/staleness.md has the study that chose k.
 * ``"pipemare"`` (Yang et al., "PipeMare", 2021). T1, learning-rate rescheduling: over the first
   ``warmup`` updates the stage's rate is lr / D^(1 - k / warmup) at update k, then lr. T2,
   discrepancy correction, where the backward recomputes on the live weights
@@ -24,20 +32,24 @@ with "+" (``"spike+lag-lr"``) and with ``weight_prediction``:
   the forward read, without stashing them. With stashing or prediction the forward and backward
   already read one version, and only T1 applies.
 
-Learning-rate scaling multiplies each parameter group's ``lr`` for the length of one
-``optimizer.step()`` and restores it, so a user's LR scheduler keeps working. At lag 0 every
+The learning-rate rules set each parameter group's ``lr`` (and momentum) for the length of
+one ``optimizer.step()`` (and of a prediction, :meth:`Compensator.adjusted`) and restore them,
+so a user's LR scheduler keeps working. At lag 0 every
 remedy is the identity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-METHODS = ("spike", "lag-lr", "pipemare")
+METHODS = ("spike", "lag-lr", "lag-momentum", "pipemare")
+AUTO = "auto"  # the default of weight_prediction and delay_compensation: the study's pick
+LR_RULES = {"lag-lr": "lag", "lag-momentum": "momentum", "pipemare": "pipemare"}
 PIPEMARE_WARMUP = 400  # updates over which PipeMare's per-stage rate anneals to the user's
 DISCREPANCY_MEMORY = 0.1  # weight left on a change D updates old in PipeMare's moving average
 
@@ -49,7 +61,8 @@ class CompensationError(ValueError):
 @dataclass(frozen=True)
 class DelayCompensation:
     """Which remedies a stage applies: spike compensation, a learning-rate rule ("lag",
-    "pipemare" or None), PipeMare's discrepancy correction, and PipeMare's warm-up length."""
+    "momentum", "pipemare" or None), PipeMare's discrepancy correction, and PipeMare's
+    warm-up length."""
 
     spike: bool = False
     lr_rule: str | None = None
@@ -58,7 +71,8 @@ class DelayCompensation:
 
     @classmethod
     def parse(cls, spec: str | DelayCompensation) -> DelayCompensation:
-        """``"spike"``, ``"lag-lr"``, ``"pipemare"`` or several joined by "+"."""
+        """``"spike"``, ``"lag-lr"``, ``"lag-momentum"``, ``"pipemare"`` or several joined by
+        "+" (at most one of the last three: each is a rule for the learning rate)."""
         if isinstance(spec, DelayCompensation):
             return spec
         if not isinstance(spec, str) or not spec:
@@ -72,11 +86,13 @@ class DelayCompensation:
             raise CompensationError(
                 f"delay_compensation {spec!r}: each part must be one of {METHODS}, once"
             )
-        if "lag-lr" in names and "pipemare" in names:
+        rules = [n for n in names if n in LR_RULES]
+        if len(rules) > 1:
             raise CompensationError(
-                "delay_compensation: 'lag-lr' and 'pipemare' are two learning-rate rules; pick one"
+                f"delay_compensation: {' and '.join(map(repr, rules))} are rules for the same "
+                "learning rate; pick one"
             )
-        rule = "lag" if "lag-lr" in names else "pipemare" if "pipemare" in names else None
+        rule = LR_RULES[rules[0]] if rules else None
         return cls(spike="spike" in names, lr_rule=rule, discrepancy="pipemare" in names)
 
 
@@ -88,6 +104,13 @@ def check_compensable(optimizer: torch.optim.Optimizer | None, spec: DelayCompen
         raise CompensationError(
             f"{type(optimizer).__name__} has no 'lr' in its parameter groups for the "
             f"{spec.lr_rule!r} learning-rate rule to scale; drop that rule"
+        )
+    if spec.lr_rule == "momentum" and not all(
+        g.get("momentum") or "betas" in g for g in optimizer.param_groups
+    ):
+        raise CompensationError(
+            "'lag-momentum' lengthens the optimizer's momentum, and this one has none: pass "
+            "SGD(..., momentum=0.9), Adam or AdamW, or use 'lag-lr'"
         )
     if not spec.spike:
         return
@@ -110,6 +133,23 @@ def check_compensable(optimizer: torch.optim.Optimizer | None, spec: DelayCompen
     )
 
 
+def default_compensation(
+    optimizer: torch.optim.Optimizer | None, schedule: str
+) -> DelayCompensation | None:
+    """What ``delay_compensation="auto"`` (the default) applies with prediction, chosen by the
+    staleness study (docs/staleness.md). Under "pipedream" (an update per micro-batch, lags up
+    to stages - 1) "spike+lag-momentum" for SGD with heavy-ball momentum; under "pipedream-2bw"
+    (lag 1, an update per mini-batch) "spike". Nothing for Adam(W), for which no remedy beat
+    prediction alone on the language model over a long run, nor for other optimizers."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return None
+    try:
+        check_compensable(optimizer, DelayCompensation(spike=True))
+    except CompensationError:  # nesterov, dampening or maximize: no spike
+        return DelayCompensation(lr_rule="momentum") if schedule == "pipedream" else None
+    return DelayCompensation(spike=True, lr_rule="momentum" if schedule == "pipedream" else None)
+
+
 class Compensator:
     """Applies a :class:`DelayCompensation` to one stage's updates at lag ``lag``."""
 
@@ -130,6 +170,9 @@ class Compensator:
             return 1.0
         if self.spec.lr_rule == "lag":
             return 1.0 / (1 + self.lag)
+        if self.spec.lr_rule == "momentum":
+            sgd = isinstance(self.optimizer, torch.optim.SGD)
+            return 1.0 / (1 + 2 * self.lag) if sgd else 1.0
         done = min(self.updates / max(self.spec.warmup, 1), 1.0)
         return float(self.lag) ** -(1.0 - done)
 
@@ -138,26 +181,42 @@ class Compensator:
         """Whether backward weights get PipeMare's discrepancy correction."""
         return self.spec.discrepancy and self.lag > 0
 
+    @contextmanager
+    def adjusted(self) -> Iterator[None]:
+        """The optimizer's groups hold this stage's learning rate (and, under "lag-momentum",
+        its momentum or Adam's beta1) inside the block, the user's values after it."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        saved: list[dict[str, object]] = [
+            {k: g[k] for k in ("lr", "momentum", "betas") if k in g} for g in groups
+        ]
+        scale, stretch = self.lr_scale, 1 + 2 * self.lag
+        try:
+            for g in groups:
+                if scale != 1.0:
+                    g["lr"] = g["lr"] * scale
+                if self.spec.lr_rule != "momentum" or not self.lag:
+                    continue
+                if "betas" in g:
+                    g["betas"] = (1 - (1 - g["betas"][0]) / stretch, g["betas"][1])
+                else:
+                    g["momentum"] = 1 - (1 - g["momentum"]) / stretch
+            yield
+        finally:
+            for g, values in zip(groups, saved, strict=True):
+                g.update(values)
+
     @torch.no_grad()
     def step(self) -> None:
         """One ``optimizer.step()`` with the compensation applied."""
         optimizer = self.optimizer
         if optimizer is None:
             return
-        scale = self.lr_scale
-        saved = [g["lr"] for g in optimizer.param_groups]
-        spike = self._spike_terms() if self.spec.spike and self.lag else None
         before = [p.detach().clone() for p in self.params] if self.corrects else None
-        try:
-            if scale != 1.0:
-                for g in optimizer.param_groups:
-                    g["lr"] = g["lr"] * scale
+        with self.adjusted():
+            spike = self._spike_terms() if self.spec.spike and self.lag else None
             optimizer.step()
             if spike is not None:
                 self._apply_spike(spike)
-        finally:
-            for g, lr in zip(optimizer.param_groups, saved, strict=True):
-                g["lr"] = lr
         if before is not None:
             self._track(before)
         self.updates += 1

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from partitioner import Plan
-from pipetrain.compensation import DelayCompensation
+from pipetrain.compensation import AUTO, DelayCompensation
 from pipetrain.planning import load_plan
 from pipetrain.stage import (
     LossFn,
@@ -70,7 +70,7 @@ class PipelineConfig:
     clip_grad_norm: float | None
     weight_stashing: bool
     weight_prediction: str | None
-    compensation: DelayCompensation | None
+    compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
     deferred_batch_norm: bool
     track_memory: bool
     trace: str | os.PathLike | None
@@ -115,11 +115,11 @@ class PipelineConfig:
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
-        weight_prediction: str | None = None,
+        weight_prediction: str | None = AUTO,
         precision: str = "fp32",
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
-        delay_compensation: str | DelayCompensation | None = None,
+        delay_compensation: str | DelayCompensation | None = AUTO,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = None
@@ -141,7 +141,8 @@ class PipelineConfig:
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
         compensation = (
-            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+            DelayCompensation.parse(delay_compensation)
+            if delay_compensation not in (None, AUTO) else delay_compensation
         )
         checkpoint = checkpoint or default_checkpoint(schedule)
         dtype = check_options(
@@ -196,7 +197,8 @@ def _check_asynchronous_options(
             "weights instead: use checkpoint='never'"
         )
     if schedule not in ASYNCHRONOUS and (
-        weight_prediction is not None or not weight_stashing or delay_compensation is not None
+        weight_prediction not in (None, AUTO) or not weight_stashing
+        or delay_compensation not in (None, AUTO)
     ):
         raise ValueError(
             "weight_stashing, weight_prediction and delay_compensation apply to the "

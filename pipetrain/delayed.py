@@ -21,9 +21,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipetrain.compensation import DelayCompensation
+from pipetrain.compensation import AUTO, DelayCompensation
+from pipetrain.data_parallel import tied_parameters
 from pipetrain.pipeline import split
-from pipetrain.stage import LossFn, OptimizerFactory, Stage
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.weights import stage_versions
 from schedules import build
 
@@ -32,7 +33,8 @@ Unit = tuple[object, object]  # (input, target) of one update unit
 
 class DelayedPipeline:
     """``model`` split by ``balance``, trained one unit per :meth:`train_step` with the lags of
-    ``schedule`` and Pipeline's asynchronous options."""
+    ``schedule`` and Pipeline's asynchronous options (``lr_scheduler``: stepped after each
+    stage's update, as in Pipeline)."""
 
     def __init__(
         self,
@@ -43,33 +45,44 @@ class DelayedPipeline:
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         weight_stashing: bool = True,
-        weight_prediction: str | None = None,
-        delay_compensation: str | DelayCompensation | None = None,
+        weight_prediction: str | None = AUTO,
+        delay_compensation: str | DelayCompensation | None = AUTO,
+        lr_scheduler: SchedulerFactory | None = None,
     ):
         lags = build(schedule, len(balance), len(balance)).lag or (0,) * len(balance)
-        if not any(lags) and (weight_prediction or not weight_stashing or delay_compensation):
+        if not any(lags) and (weight_prediction not in (None, AUTO) or not weight_stashing
+                              or delay_compensation not in (None, AUTO)):
             raise ValueError(
                 f"schedule {schedule!r} has no lag: weight_stashing, weight_prediction and "
                 "delay_compensation apply to 'pipedream' and 'pipedream-2bw'"
             )
-        if schedule == "pipedream-2bw" and not weight_stashing and not weight_prediction:
+        stale = not weight_stashing and weight_prediction in (None, AUTO)
+        if schedule == "pipedream-2bw" and stale:
             raise ValueError(
                 "without stashing a 2BW micro-batch's forward reads the weights live at its own "
                 "forward, some before its unit's predecessor's update and some after; one unit "
                 "per mini-batch cannot show that: study it with Pipeline"
             )
+        if tied_parameters(model, balance):
+            raise ValueError(
+                "a weight is shared by layers on different stages; each stage would update it "
+                "on its own: untie it (e.g. a head with its own weight) or keep its users on one "
+                "stage"
+            )
         compensation = (
-            DelayCompensation.parse(delay_compensation) if delay_compensation is not None else None
+            DelayCompensation.parse(delay_compensation)
+            if delay_compensation not in (None, AUTO) else delay_compensation
         )
         parts = split(model, balance)
         self.stages = [
             Stage(
                 module=module, index=s, count=len(parts), offset=offset,
                 device=torch.device("cpu"), optimizer=optimizer, loss_fn=loss_fn,
-                checkpoint="never", loss_divisor=1,
+                checkpoint="never", loss_divisor=1, lr_scheduler=lr_scheduler,
                 weight_versions=partial(
                     stage_versions, lag=lag, update_every=1, weight_stashing=weight_stashing,
                     weight_prediction=weight_prediction, compensation=compensation,
+                    schedule=schedule,
                 ),
             )
             for s, ((offset, module), lag) in enumerate(zip(parts, lags, strict=True))

@@ -26,7 +26,7 @@ from partitioner import Plan
 from pipetrain import checkpointing, microbatch
 from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
-from pipetrain.compensation import DelayCompensation
+from pipetrain.compensation import AUTO, DelayCompensation
 from pipetrain.config import PipelineConfig, check_balance
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
@@ -128,10 +128,14 @@ class Pipeline:
     and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
     "msnag" or None) runs both on the weights predicted after the stage's lag instead
     (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
-    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "pipemare", several joined
-    by "+", or a DelayCompensation) changes the updates of the late gradients instead
-    (pipetrain/compensation.py), with or without prediction. ``flush()`` drains the pipeline;
-    ``eval_step`` and ``save`` call it.
+    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "lag-momentum",
+    "pipemare", several joined by "+", or a DelayCompensation) changes the updates of the late
+    gradients instead (pipetrain/compensation.py), with or without prediction. Both default to
+    "auto", the staleness study's pick (docs/staleness.md): prediction for SGD with momentum,
+    Adam and AdamW, and for SGD "spike+lag-momentum" under "pipedream", "spike" under
+    "pipedream-2bw"; plain weight stashing for other optimizers.
+    ``weight_prediction=None, delay_compensation=None`` is PipeDream's weight stashing.
+    ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
 
     ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
     builds its own. ``lr_scheduler`` (``lambda optimizer: ...``) builds one schedule per stage
@@ -166,11 +170,11 @@ class Pipeline:
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
-        weight_prediction: str | None = None,
+        weight_prediction: str | None = AUTO,
         precision: str = "fp32",
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
-        delay_compensation: str | DelayCompensation | None = None,
+        delay_compensation: str | DelayCompensation | None = AUTO,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -302,6 +306,7 @@ class Pipeline:
                 stage_versions, lag=schedule.lag[index], update_every=schedule.update_every,
                 weight_stashing=config.weight_stashing,
                 weight_prediction=config.weight_prediction, compensation=config.compensation,
+                schedule=config.schedule,
             )
         return Stage(
             module=module, index=index, count=len(parts), offset=offset, device=device,

@@ -31,8 +31,9 @@ The predictor, for ``lag`` = s future updates with the optimizer's current state
   v = m^2). Adam's coupled L2 ``weight_decay`` is not modelled.
 * Anything else raises :class:`PredictionError` naming what is known.
 
-With a delay compensation (pipetrain/compensation.py) the predictor extrapolates with the
-learning rate the compensation will use (``lr_scale``) and, under spike compensation, "msnag"
+With a delay compensation (pipetrain/compensation.py) the predictor runs inside
+``Compensator.adjusted()``, so it extrapolates with the learning rate (and momentum) the
+compensated updates will use, and under spike compensation "msnag"
 scales its decaying tail by mu^s as the compensated update does; the other rules are exact under
 spike compensation in the same cases as without it.
 """
@@ -41,11 +42,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from pipetrain.compensation import Compensator, DelayCompensation
+from pipetrain.compensation import AUTO, Compensator, DelayCompensation, default_compensation
 
 POLICIES = ("stash", "predict", "stale")
 METHODS = ("momentum", "spectrain", "msnag")  # "momentum": spectrain for SGD, Adam's rule
@@ -82,10 +84,10 @@ def check_predictable(optimizer: torch.optim.Optimizer | None, method: str) -> N
 def predict(
     optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], steps: int,
     method: str = "momentum", out: Sequence[torch.Tensor] | None = None,
-    lr_scale: float = 1.0, spike: bool = False,
+    spike: bool = False,
 ) -> list[torch.Tensor]:
-    """The values of ``params`` expected after ``steps`` more updates of ``optimizer`` (its
-    learning rates times ``lr_scale``; ``spike``: spike-compensated for a delay of ``steps``),
+    """The values of ``params`` expected after ``steps`` more updates of ``optimizer`` with its
+    groups' current settings (``spike``: spike-compensated for a delay of ``steps``),
     written into ``out`` (tensors shaped like ``params``) or new tensors; the parameters and the
     optimizer are left alone. A parameter without optimizer state yet (before its first
     update) is predicted to stay where it is."""
@@ -97,22 +99,22 @@ def predict(
         if steps == 0 or group is None or not state:
             w.copy_(p)
         elif isinstance(optimizer, torch.optim.SGD):
-            _sgd(p, state, group, steps, method, w, lr_scale, spike)
+            _sgd(p, state, group, steps, method, w, spike)
         else:
             adamw = isinstance(optimizer, torch.optim.AdamW)
-            _adam(p, state, group, steps, adamw, w, lr_scale)
+            _adam(p, state, group, steps, adamw, w)
     return targets
 
 
 def _sgd(
     p: torch.Tensor, state: dict, group: dict, steps: int, method: str, w: torch.Tensor,
-    lr_scale: float, spike: bool,
+    spike: bool,
 ) -> None:
     buf = state.get("momentum_buffer")
     if buf is None:
         w.copy_(p)
         return
-    mu, lr = float(group["momentum"]), float(group["lr"]) * lr_scale
+    mu, lr = float(group["momentum"]), float(group["lr"])
     factor = float(steps) if method != "msnag" else mu * (1 - mu**steps) / (1 - mu)
     if method == "msnag" and spike:
         factor *= mu**steps
@@ -122,9 +124,8 @@ def _sgd(
 
 def _adam(
     p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool, w: torch.Tensor,
-    lr_scale: float,
 ) -> None:
-    lr, (b1, b2), eps = float(group["lr"]) * lr_scale, group["betas"], group["eps"]
+    lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
     decoupled = adamw or group.get("decoupled_weight_decay", False)
     wd = float(group["weight_decay"]) if decoupled else 0.0
     m = state["exp_avg"]
@@ -191,10 +192,9 @@ class WeightVersions:
         spare = self._spare.pop() if self._spare else None
         if self.policy == "predict" and self.optimizer is not None:
             comp = self.compensator
-            copies = predict(
-                self.optimizer, self.params, self.lag, self.method, out=spare,
-                lr_scale=comp.lr_scale if comp else 1.0, spike=bool(comp and comp.spec.spike),
-            )
+            with comp.adjusted() if comp else nullcontext():
+                copies = predict(self.optimizer, self.params, self.lag, self.method, out=spare,
+                                 spike=bool(comp and comp.spec.spike))
         elif spare is not None:
             copies = spare
             for c, p in zip(copies, self.params, strict=True):
@@ -256,16 +256,31 @@ class WeightVersions:
 def stage_versions(
     params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer | None, lag: int,
     update_every: int, weight_stashing: bool, weight_prediction: str | None,
-    compensation: DelayCompensation | None,
+    compensation: DelayCompensation | str | None, schedule: str,
 ) -> WeightVersions:
-    """The WeightVersions of a stage under Pipeline's asynchronous options (checked here)."""
+    """The WeightVersions of a stage under Pipeline's asynchronous options (checked here).
+    ``"auto"`` (the default of both options) predicts where the optimizer can be predicted
+    and stashing is on, and then compensates as :func:`default_compensation` says."""
+    if weight_prediction == AUTO:
+        weight_prediction = "momentum" if weight_stashing and _predictable(optimizer) else None
+    if compensation == AUTO:
+        compensation = default_compensation(optimizer, schedule) if weight_prediction else None
     if weight_prediction is not None:
         check_predictable(optimizer, weight_prediction)
     policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"
     compensator = (
-        Compensator(compensation, optimizer, params, lag) if compensation is not None else None
+        Compensator(compensation, optimizer, params, lag)
+        if isinstance(compensation, DelayCompensation) else None
     )
     return WeightVersions(
         params, optimizer, lag, update_every, policy, weight_prediction or "momentum",
         compensator=compensator,
     )
+
+
+def _predictable(optimizer: torch.optim.Optimizer | None) -> bool:
+    try:
+        check_predictable(optimizer, "momentum")
+    except PredictionError:
+        return False
+    return optimizer is not None

@@ -27,6 +27,7 @@ TINY = [
     "--steps", "4", "--dim", "32", "--blocks", "2", "--heads", "2", "--context", "32",
     "--lr", "1e-2", "--warmup", "2", "--clip", "0.5",
     "--sample-length", "20", "--log-every", "1",
+    "--precision", "fp32",  # "auto" picks bf16 on a CPU with AVX512-BF16 or AMX
 ]
 
 

@@ -7,6 +7,9 @@ What each test pins down:
   (constant velocity / constant Adam moments; vanishing gradients for "msnag"), with the
   learning rate the compensation scales;
 * the learning-rate rules scale the step the real optimizer takes and leave the user's lr alone;
+  "lag-momentum" keeps the long-run step of a steady gradient;
+* the default ("auto") resolves per optimizer and schedule to the study's pick, and a pipeline
+  left at its defaults trains exactly as one given that pick explicitly;
 * PipeMare's discrepancy correction recovers the weights the forward read when the weights
   move at a constant rate;
 * at lag 0 (one stage) every compensation is plain training (PipeDream: an update per
@@ -26,7 +29,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.compensation import CompensationError, Compensator, DelayCompensation
-from pipetrain.weights import predict
+from pipetrain.weights import predict, stage_versions
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, reference, sgd
 
@@ -69,14 +72,16 @@ def _optimizer(kind: str, p: nn.Parameter) -> torch.optim.Optimizer:
 
 
 def _steady_gradient(kind: str, optimizer: torch.optim.Optimizer, p: nn.Parameter):
-    """The gradient that keeps the optimizer's state where it is."""
-    state = optimizer.state[p]
+    """The gradient that keeps the optimizer's state where it is under the groups' current
+    momentum."""
+    state, group = optimizer.state[p], optimizer.param_groups[0]
     if kind == "sgd":  # v <- mu v + (g + wd w): g = (1 - mu) v - wd w
-        return 0.1 * state["momentum_buffer"] - 0.01 * p.detach()
+        return (1 - group["momentum"]) * state["momentum_buffer"] - 0.01 * p.detach()
     return state["exp_avg"].clone()
 
 
-@pytest.mark.parametrize("spec", ["spike", "lag-lr", "spike+lag-lr"])
+@pytest.mark.parametrize("spec", ["spike", "lag-lr", "spike+lag-lr", "lag-momentum",
+                                  "spike+lag-momentum"])
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("lag", [1, 3])
 def test_prediction_is_exact_under_compensation(spec, kind, lag):
@@ -85,13 +90,16 @@ def test_prediction_is_exact_under_compensation(spec, kind, lag):
     compensator = _compensator(spec, opt, p, lag)
     p.grad = torch.randn_like(p)
     opt.step()  # a first plain step builds the optimizer's state
-    predicted = predict(opt, [p], lag, lr_scale=compensator.lr_scale,
-                        spike=compensator.spec.spike)[0]
+    with compensator.adjusted():
+        predicted = predict(opt, [p], lag, spike=compensator.spec.spike)[0]
     for _ in range(lag):
-        p.grad = _steady_gradient(kind, opt, p)
+        with compensator.adjusted():
+            p.grad = _steady_gradient(kind, opt, p)
         compensator.step()
     assert torch.allclose(predicted, p.detach(), rtol=0, atol=1e-12)
     assert opt.param_groups[0]["lr"] == (0.05 if kind == "sgd" else 0.01), "lr restored"
+    assert opt.param_groups[0].get("momentum", 0.9) == 0.9, "momentum restored"
+    assert opt.param_groups[0].get("betas", (0.9, 0.99)) == (0.9, 0.99), "betas restored"
 
 
 @pytest.mark.parametrize("lag", [1, 2, 4])
@@ -130,6 +138,34 @@ def test_learning_rate_rules_scale_the_real_step():
         assert compensator.lr_scale == 1.0 or name == "lag-lr"
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("lag", [1, 3])
+def test_lag_momentum_keeps_the_long_run_step(kind, lag):
+    """Under a constant gradient the compensated stage ends up moving as fast as the plain
+    one (SGD: lr / (1 - mu) per update; Adam: lr), with momentum 1 - (1 - mu) / k and, for
+    SGD, lr / k in each update, k = 1 + 2 lag."""
+    plain, slow = _param(2), _param(2)
+    opts = [_optimizer(kind, q) for q in (plain, slow)]
+    for g in opts:
+        g.param_groups[0]["weight_decay"] = 0.0
+    compensator = _compensator("lag-momentum", opts[1], slow, lag)
+    with compensator.adjusted():
+        group = opts[1].param_groups[0]
+        mu = group["momentum"] if kind == "sgd" else group["betas"][0]
+        assert mu == pytest.approx(1 - 0.1 / (1 + 2 * lag), rel=1e-12)
+        assert group["lr"] == pytest.approx((0.05 / (1 + 2 * lag)) if kind == "sgd" else 0.01)
+    gradient = torch.randn_like(plain)
+    for _ in range(800):
+        moves = []
+        for q, step in ((plain, opts[0].step), (slow, compensator.step)):
+            before = q.detach().clone()
+            q.grad = gradient.clone()
+            step()
+            moves.append(q.detach() - before)
+    assert torch.allclose(moves[1], moves[0], rtol=1e-3, atol=0)
+    assert opts[1].param_groups[0]["lr"] == opts[0].param_groups[0]["lr"]
+
+
 @pytest.mark.parametrize("lag", [1, 3])
 def test_discrepancy_correction_recovers_the_weights_the_forward_read(lag):
     p = _param(3)
@@ -156,6 +192,7 @@ PIPELINE_CONFIGS = {
     "pipemare": dict(delay_compensation="pipemare", weight_stashing=False),
     "spike+predict": dict(delay_compensation="spike", weight_prediction="momentum"),
     "spike+lag-lr+predict": dict(delay_compensation="spike+lag-lr", weight_prediction="momentum"),
+    "lag-momentum+predict": dict(delay_compensation="lag-momentum", weight_prediction="momentum"),
 }
 
 
@@ -210,7 +247,7 @@ def test_processes_equal_threads():
 
 
 def test_compensation_options_are_checked():
-    for bad in ("spikes", "spike+spike", "lag-lr+pipemare", ""):
+    for bad in ("spikes", "spike+spike", "lag-lr+pipemare", "lag-lr+lag-momentum", ""):
         with pytest.raises(CompensationError, match="delay_compensation"):
             DelayCompensation.parse(bad)
     with pytest.raises(ValueError, match="asynchronous"):
@@ -225,5 +262,48 @@ def test_compensation_options_are_checked():
             loss_fn=nn.functional.cross_entropy, delay_compensation="spike",
             optimizer=lambda ps: torch.optim.Adagrad(ps),
         )
+    with pytest.raises(CompensationError, match="lag-momentum"):
+        _compensator("lag-momentum", torch.optim.SGD([p], lr=0.1), p, 1)
     # the learning-rate rules take any optimizer with an lr
     _compensator("lag-lr", torch.optim.Adagrad([p]), p, 2).step()
+
+
+@pytest.mark.parametrize(("make", "schedule", "policy", "expected"), [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "pipedream", "predict",
+     DelayCompensation(spike=True, lr_rule="momentum")),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "pipedream-2bw", "predict",
+     DelayCompensation(spike=True)),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "pipedream",
+     "predict", DelayCompensation(lr_rule="momentum")),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01), "pipedream", "predict", None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "pipedream", "stash", None),  # no momentum
+    (lambda ps: torch.optim.Adagrad(ps), "pipedream", "stash", None),
+])
+def test_auto_resolves_to_the_studys_pick(make, schedule, policy, expected):
+    p = _param()
+    versions = stage_versions([p], make([p]), lag=2, update_every=1, weight_stashing=True,
+                              weight_prediction="auto", compensation="auto", schedule=schedule)
+    assert versions.policy == policy
+    got = versions.compensator.spec if versions.compensator else None
+    assert got == expected
+    stale = stage_versions([p], make([p]), lag=2, update_every=1, weight_stashing=False,
+                           weight_prediction="auto", compensation="auto", schedule=schedule)
+    assert stale.policy == "stale" and stale.compensator is None, "no stashing: PipeDream's own"
+
+
+def test_defaults_train_as_the_explicit_pick():
+    def train(**options) -> dict:
+        pipe = pipetrain.Pipeline(
+            mlp(), [4, 8], chunks=CHUNKS, schedule="pipedream", devices=["cpu"] * 2,
+            loss_fn=nn.functional.cross_entropy, optimizer=sgd, **options,
+        )
+        for x, y in batches(3):
+            pipe.train_step(x, y)
+        pipe.flush()
+        return pipe.module.state_dict()
+
+    default = train()
+    explicit = train(weight_prediction="momentum", delay_compensation="spike+lag-momentum")
+    stashed = train(weight_prediction=None, delay_compensation=None)
+    assert all(torch.equal(default[k], explicit[k]) for k in default)
+    assert any(not torch.equal(default[k], stashed[k]) for k in default), "auto changed nothing"

@@ -22,6 +22,9 @@ CONFIGS = {
     "spike+predict": dict(delay_compensation="spike", weight_prediction="momentum"),
     "pipemare": dict(delay_compensation="pipemare", weight_stashing=False),
     "lag-lr": dict(delay_compensation="lag-lr"),
+    "lag-momentum+predict": dict(delay_compensation="lag-momentum", weight_prediction="momentum"),
+    "spike+lag-momentum+predict": dict(delay_compensation="spike+lag-momentum",
+                                       weight_prediction="momentum"),
 }
 
 
@@ -69,3 +72,11 @@ def test_synchronous_schedule_is_plain_training():
     with pytest.raises(ValueError, match="no lag"):
         DelayedPipeline(mlp(), BALANCE, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
                         optimizer=sgd, weight_prediction="momentum")
+
+
+
+def test_weights_tied_across_stages_are_refused():
+    model = mlp()
+    model[8].weight = model[0].weight  # layers 0 and 8 sit on stages 0 and 2 of BALANCE
+    with pytest.raises(ValueError, match="untie"):
+        DelayedPipeline(model, BALANCE, loss_fn=nn.functional.cross_entropy, optimizer=sgd)
