@@ -290,8 +290,8 @@ def report(raw: Path, markdown: Path, png: Path) -> None:
                 cells = [f"**{mine[lr]:.{3 if kind == 'gpt' else 1}f}**" for lr in LRS[kind]]
                 met = ""
             else:
-                cells = [f"{_difference(kind, mine[lr], ref[lr]):+.1f}" if ref else f"{mine[lr]:.3g}"
-                         for lr in LRS[kind]]
+                cells = [f"{_difference(kind, mine[lr], ref[lr]):+.1f}" if ref
+                         else f"{mine[lr]:.3g}" for lr in LRS[kind]]
                 met = {True: "yes", False: "no", None: "n/a"}[goal_met(results, kind, v)]
             lines.append(f"| {v} | " + " | ".join(cells) + f" | {met} |")
     markdown.write_text(markdown.read_text().split("<!-- table -->")[0] + "<!-- table -->\n"
