@@ -162,6 +162,11 @@ class Compensator:
         self.updates = 0  # optimizer steps taken through this compensator
         self.decay = DISCREPANCY_MEMORY ** (1.0 / lag) if lag else 0.0
         self._delta: list[torch.Tensor] | None = None  # PipeMare's moving average, not debiased
+        mine = {id(p) for p in self.params}
+        self._by_group = [  # (group, this stage's parameters in it)
+            (g, [p for p in g["params"] if id(p) in mine])
+            for g in (optimizer.param_groups if optimizer is not None else [])
+        ]
 
     @property
     def lr_scale(self) -> float:
@@ -213,7 +218,7 @@ class Compensator:
             return
         before = [p.detach().clone() for p in self.params] if self.corrects else None
         with self.adjusted():
-            spike = self._spike_terms() if self.spec.spike and self.lag else None
+            spike = self._prepare_spike() if self.spec.spike and self.lag else None
             optimizer.step()
             if spike is not None:
                 self._apply_spike(spike)
@@ -221,46 +226,51 @@ class Compensator:
             self._track(before)
         self.updates += 1
 
-    def _groups(self) -> list[tuple[nn.Parameter, dict]]:
-        assert self.optimizer is not None
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        return [(p, group_of[id(p)]) for p in self.params if id(p) in group_of]
-
-    def _spike_terms(self) -> dict[int, torch.Tensor]:
-        """Before the step: per parameter with a gradient, b times the gradient that enters the
-        momentum (weight decay included), b = (1 - mu^D) / (1 - mu); Adam's times 1 - beta1."""
-        terms = {}
-        for p, group in self._groups():
-            if p.grad is None:
+    def _prepare_spike(self) -> list[tuple[dict, float, list[nn.Parameter], list[torch.Tensor]]]:
+        """Before the step, per parameter group: its lr, this stage's parameters in it that
+        have a gradient, and the gradient that enters the momentum (weight decay included).
+        For SGD it also scales the group's lr by mu^D, so that the step itself moves the
+        weights by lr mu^D v and :meth:`_apply_spike` adds only the gradient's part: an update
+        per micro-batch makes every pass over the weights count."""
+        sgd = isinstance(self.optimizer, torch.optim.SGD)
+        terms = []
+        for group, members in self._by_group:
+            params = [p for p in members if p.grad is not None]
+            if not params:
                 continue
-            adam = not isinstance(self.optimizer, torch.optim.SGD)
-            mu = group["betas"][0] if adam else group["momentum"]
-            coupled = not (isinstance(self.optimizer, torch.optim.AdamW)
-                           or group.get("decoupled_weight_decay", False))
-            g = p.grad.detach()
-            if group["weight_decay"] and (not adam or coupled):
-                g = g.add(p.detach(), alpha=group["weight_decay"])
-            b = (1 - mu**self.lag) / (1 - mu)
-            terms[id(p)] = g * (b * (1 - mu) if adam else b)
+            grads = [p.grad.detach() for p in params if p.grad is not None]
+            decoupled = isinstance(self.optimizer, torch.optim.AdamW) or group.get(
+                "decoupled_weight_decay", False)
+            if group["weight_decay"] and (sgd or not decoupled):
+                grads = list(torch._foreach_add(grads, [p.detach() for p in params],
+                                                alpha=group["weight_decay"]))
+            terms.append((group, float(group["lr"]), params, grads))
+            if sgd:
+                group["lr"] = group["lr"] * group["momentum"] ** self.lag
         return terms
 
-    def _apply_spike(self, terms: dict[int, torch.Tensor]) -> None:
-        """After the step: turn ``w -= lr v`` into ``w -= lr (mu^D v + b g)``."""
+    def _apply_spike(
+        self, terms: list[tuple[dict, float, list[nn.Parameter], list[torch.Tensor]]]
+    ) -> None:
+        """After the step, complete ``w -= lr (mu^D v + b g)``, b = (1 - mu^D) / (1 - mu), for
+        SGD; for Adam turn ``w -= lr m_hat / d`` into ``w -= lr (m + (1 - beta1^D)(g - m)) /
+        ((1 - beta1^t) d)``, the same rule on its first moment."""
         assert self.optimizer is not None
-        for p, group in self._groups():
-            if id(p) not in terms:
-                continue
-            state, lr = self.optimizer.state[p], float(group["lr"])
+        state = self.optimizer.state
+        for group, lr, params, grads in terms:
             if isinstance(self.optimizer, torch.optim.SGD):
-                a = group["momentum"] ** self.lag
-                p.add_(state["momentum_buffer"], alpha=lr * (1 - a)).add_(terms[id(p)], alpha=-lr)
+                mu = group["momentum"]
+                weights: list[torch.Tensor] = list(params)
+                torch._foreach_add_(weights, grads, alpha=-lr * (1 - mu**self.lag) / (1 - mu))
                 continue
             b1, b2 = group["betas"]
-            a, t = b1**self.lag, float(state["step"])
-            v = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
-            denom = v.sqrt() / (1 - b2**t) ** 0.5 + group["eps"]
-            change = state["exp_avg"] * (a - 1) + terms[id(p)]
-            p.addcdiv_(change, denom, value=-lr / (1 - b1**t))
+            a = b1**self.lag
+            for p, g in zip(params, grads, strict=True):
+                t = float(state[p]["step"])
+                v = state[p]["max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"]
+                denom = v.sqrt() / (1 - b2**t) ** 0.5 + group["eps"]
+                change = (g - state[p]["exp_avg"]).mul_(1 - a)
+                p.addcdiv_(change, denom, value=-lr / (1 - b1**t))
 
     def _track(self, before: list[torch.Tensor]) -> None:
         """PipeMare's moving average of the weights' change per update."""
