@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from pipetrain.compensation import Compensator
 from pipetrain.errors import CheckpointError
 from pipetrain.precision import LossScaler
 from pipetrain.stage import Stage
@@ -86,6 +87,15 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def _compensator(stage: Stage) -> Compensator | None:
+    return stage.versions.compensator if stage.versions is not None else None
+
+
+def _compensation_state(stage: Stage) -> dict | None:
+    compensator = _compensator(stage)
+    return compensator.state_dict() if compensator is not None else None
+
+
 def _rng_state(stage: Stage) -> dict:
     """The process's generators and the stage's own stream (pipetrain/rng.py)."""
     state = {
@@ -131,6 +141,7 @@ def save(
             "rng": _rng_state(stage),
             "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "compensation": _compensation_state(stage),
         }
         target = partial / f"stage-{stage.index}.pt"
         _write_atomically(target, _saver(payload))
@@ -320,6 +331,10 @@ def load(
         saved = by_stage.get(stage.index, payloads[0]).get("scheduler")
         if stage.scheduler is not None and saved is not None:
             stage.scheduler.load_state_dict(saved)
+    for stage in stages:  # PipeMare's warm-up and moving average go on where they stopped
+        saved, compensator = by_stage.get(stage.index, {}).get("compensation"), _compensator(stage)
+        if compensator is not None and saved is not None:
+            compensator.load_state_dict(saved)
     if scaler is not None and payloads[0].get("scaler") is not None:
         scaler.load_state_dict(payloads[0]["scaler"])
     _set_rng(by_stage.get(stages[0].index, payloads[0])["rng"], stages[0].device)

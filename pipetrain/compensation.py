@@ -181,6 +181,20 @@ class Compensator:
         done = min(self.updates / max(self.spec.warmup, 1), 1.0)
         return float(self.lag) ** -(1.0 - done)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the updates taken (PipeMare's warm-up) and PipeMare's
+        moving average of the weights' change."""
+        return {"updates": self.updates, "delta": self._delta}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from ``state``; a moving average whose shapes do not fit this stage's
+        parameters (the model was split otherwise) starts afresh."""
+        self.updates = int(state["updates"])
+        delta = state.get("delta")
+        self._delta = None
+        if delta is not None and [d.shape for d in delta] == [p.shape for p in self.params]:
+            self._delta = [d.to(p.device) for d, p in zip(delta, self.params, strict=True)]
+
     @property
     def corrects(self) -> bool:
         """Whether backward weights get PipeMare's discrepancy correction."""

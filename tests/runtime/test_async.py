@@ -27,12 +27,15 @@ from tests.runtime.models import batches, mlp, reference, sgd
 BALANCE = {2: [4, 8], 4: [2, 3, 4, 3]}
 CHUNKS = 4
 STEPS = 5
+PLAIN = dict(weight_prediction=None, delay_compensation=None)  # not the "auto" defaults
 CONFIGS = {
-    "stash": dict(schedule="pipedream"),
-    "stale": dict(schedule="pipedream", weight_stashing=False),
-    "predict": dict(schedule="pipedream", weight_prediction="momentum"),
-    "2bw": dict(schedule="pipedream-2bw"),
-    "2bw-predict": dict(schedule="pipedream-2bw", weight_prediction="momentum"),
+    "stash": dict(PLAIN, schedule="pipedream"),
+    "stale": dict(PLAIN, schedule="pipedream", weight_stashing=False),
+    "predict": dict(PLAIN, schedule="pipedream", weight_prediction="momentum"),
+    "default": dict(schedule="pipedream"),
+    "2bw": dict(PLAIN, schedule="pipedream-2bw"),
+    "2bw-predict": dict(PLAIN, schedule="pipedream-2bw", weight_prediction="momentum"),
+    "2bw-default": dict(schedule="pipedream-2bw"),
 }
 
 
@@ -115,7 +118,8 @@ def test_measured_lag_equals_the_schedule_formula(runs, name):
             assert all(v == expected[s] for g, v in lags.items() if expected[s] <= g < 16)
 
 
-@pytest.mark.parametrize("name", ["stash", "2bw", "predict", "2bw-predict"])
+@pytest.mark.parametrize("name", ["stash", "2bw", "predict", "2bw-predict", "default",
+                                  "2bw-default"])
 def test_forward_and_backward_read_bit_identical_weights(runs, name):
     world, results = runs
     got = results[name]
@@ -141,9 +145,9 @@ def _sgd_zero(params):
 
 
 def test_prediction_with_zero_learning_rate_equals_stashing():
-    stash = _train(4, True, optimizer=_sgd_zero, schedule="pipedream")
+    stash = _train(4, True, optimizer=_sgd_zero, schedule="pipedream", **PLAIN)
     predicted = _train(4, True, optimizer=_sgd_zero, schedule="pipedream",
-                       weight_prediction="momentum")
+                       **dict(PLAIN, weight_prediction="momentum"))
     assert stash["losses"] == predicted["losses"]
     for key, value in stash["state"].items():
         assert torch.equal(value, predicted["state"][key])

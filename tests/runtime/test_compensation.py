@@ -307,3 +307,30 @@ def test_defaults_train_as_the_explicit_pick():
     stashed = train(weight_prediction=None, delay_compensation=None)
     assert all(torch.equal(default[k], explicit[k]) for k in default)
     assert any(not torch.equal(default[k], stashed[k]) for k in default), "auto changed nothing"
+
+
+@pytest.mark.parametrize("stashing", [True, False])
+def test_pipemare_state_survives_a_checkpoint(tmp_path, stashing):
+    """PipeMare's warm-up counter and (without stashing) its moving average of the weights'
+    change are part of a stage's state: a resumed run goes on bit for bit as the run that
+    saved (both drained by save()), not from the start of the warm-up."""
+    options = dict(chunks=CHUNKS, schedule="pipedream", devices=["cpu"] * 2,
+                   loss_fn=nn.functional.cross_entropy, optimizer=sgd,
+                   delay_compensation=DelayCompensation(lr_rule="pipemare",
+                                                        discrepancy=not stashing, warmup=40),
+                   weight_prediction=None, weight_stashing=stashing)
+    data = batches(5)
+    first = pipetrain.Pipeline(mlp(), [4, 8], **options)
+    for x, y in data[:3]:
+        first.train_step(x, y)
+    first.save(tmp_path)
+    again = pipetrain.Pipeline(mlp(seed=99), [4, 8], checkpoint_dir=tmp_path, **options)
+    assert [s.versions.compensator.updates for s in again.stages] == [12, 12]
+    for x, y in data[3:]:
+        first.train_step(x, y)
+        again.train_step(x, y)
+    first.flush()
+    again.flush()
+    expected = first.module.state_dict()
+    for key, value in again.module.state_dict().items():
+        assert torch.equal(value, expected[key]), key
