@@ -223,7 +223,7 @@ def train_pipelined(args: argparse.Namespace) -> None:
         whole = build_model(args)
         whole.load_state_dict(pipetrain.consolidate(args.checkpoint_dir))
         print_sample(whole, args)
-    dist.destroy_process_group()
+    pipetrain.shutdown()
 
 
 # -- the reference: the same training in one process ----------------------------------------------

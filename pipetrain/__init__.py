@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pipetrain.checkpointing import consolidate
 from pipetrain.compensation import DelayCompensation
-from pipetrain.distributed import init_distributed
+from pipetrain.distributed import init_distributed, shutdown
 from pipetrain.errors import (
     CheckpointError,
     CommunicationTimeout,
@@ -33,5 +33,6 @@ __all__ = [
     "__version__",
     "consolidate",
     "init_distributed",
+    "shutdown",
     "profile",
 ]

@@ -49,6 +49,17 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown() -> None:
+    """End a torchrun job: wait until every rank gets here (within the group's timeout), then
+    tear the process groups down. Call it last. Ranks that leave one by one, each ending its
+    process with its groups alive, at times had gloo abort one of them at exit
+    ("terminate called without an active exception", SIGABRT), and torchrun then reports a job
+    that trained correctly as failed."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def pin_to_cores(local_rank: int, local_world: int) -> list[int]:
     """Pin the calling process to its share of the processors it may use: local rank ``r`` of
     ``local_world`` gets the r-th of that many equal, contiguous slices (the r-th processor,

@@ -32,3 +32,4 @@ for x, y in batches(args.steps):
                                   y[replica * share:(replica + 1) * share]))
 torch.save({"state": pipe.module.state_dict(), "losses": losses},
            Path(args.out) / f"rank{rank}.pt")
+pipetrain.shutdown()  # every rank is done: leave together
