@@ -176,8 +176,7 @@ class Compensator:
         if self.spec.lr_rule == "lag":
             return 1.0 / (1 + self.lag)
         if self.spec.lr_rule == "momentum":
-            sgd = isinstance(self.optimizer, torch.optim.SGD)
-            return 1.0 / (1 + 2 * self.lag) if sgd else 1.0
+            return 1.0 / self.stretch if isinstance(self.optimizer, torch.optim.SGD) else 1.0
         done = min(self.updates / max(self.spec.warmup, 1), 1.0)
         return float(self.lag) ** -(1.0 - done)
 
@@ -196,6 +195,11 @@ class Compensator:
             self._delta = [d.to(p.device) for d, p in zip(delta, self.params, strict=True)]
 
     @property
+    def stretch(self) -> int:
+        """k of "lag-momentum": how many times longer the momentum averages, 1 + 2 lag."""
+        return 1 + 2 * self.lag
+
+    @property
     def corrects(self) -> bool:
         """Whether backward weights get PipeMare's discrepancy correction."""
         return self.spec.discrepancy and self.lag > 0
@@ -208,7 +212,7 @@ class Compensator:
         saved: list[dict[str, object]] = [
             {k: g[k] for k in ("lr", "momentum", "betas") if k in g} for g in groups
         ]
-        scale, stretch = self.lr_scale, 1 + 2 * self.lag
+        scale, stretch = self.lr_scale, self.stretch
         try:
             for g in groups:
                 if scale != 1.0:
