@@ -96,6 +96,12 @@ class DelayCompensation:
         return cls(spike="spike" in names, lr_rule=rule, discrepancy="pipemare" in names)
 
 
+def parse_option(spec: str | DelayCompensation | None) -> DelayCompensation | str | None:
+    """``delay_compensation=`` as given to Pipeline: None, "auto" (resolved per stage once its
+    optimizer exists, pipetrain/weights.py) or a compensation, parsed here."""
+    return spec if spec is None or spec == AUTO else DelayCompensation.parse(spec)
+
+
 def check_compensable(optimizer: torch.optim.Optimizer | None, spec: DelayCompensation) -> None:
     """Raise CompensationError unless :class:`Compensator` can apply ``spec`` to ``optimizer``."""
     if optimizer is None:

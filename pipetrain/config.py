@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from partitioner import Plan
-from pipetrain.compensation import AUTO, DelayCompensation
+from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.planning import load_plan
 from pipetrain.stage import (
     LossFn,
@@ -140,10 +140,7 @@ class PipelineConfig:
         _check_asynchronous_options(
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
-        compensation = (
-            DelayCompensation.parse(delay_compensation)
-            if delay_compensation not in (None, AUTO) else delay_compensation
-        )
+        compensation = parse_option(delay_compensation)
         checkpoint = checkpoint or default_checkpoint(schedule)
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous

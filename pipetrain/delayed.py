@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipetrain.compensation import AUTO, DelayCompensation
+from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.data_parallel import tied_parameters
 from pipetrain.pipeline import split
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
@@ -69,10 +69,7 @@ class DelayedPipeline:
                 "on its own: untie it (e.g. a head with its own weight) or keep its users on one "
                 "stage"
             )
-        compensation = (
-            DelayCompensation.parse(delay_compensation)
-            if delay_compensation not in (None, AUTO) else delay_compensation
-        )
+        compensation = parse_option(delay_compensation)
         parts = split(model, balance)
         self.stages = [
             Stage(
