@@ -1,4 +1,5 @@
-"""The language-model task of the staleness study (benchmarks/staleness_study.py, issue 21).
+"""The language-model task of the staleness study (benchmarks/staleness_study.py, issue 21), and
+where its staleness hurts.
 
 The byte-level GPT of examples/train_gpt.py, smaller so that a grid of learning rates, seeds
 and methods fits a 2-core machine: width 64, 4 blocks of 4 heads, context 64, its head untied
@@ -8,23 +9,72 @@ as train_gpt.py) with train_gpt.py's schedule (linear warm-up over a tenth of th
 cosine decay to a tenth of the peak lr), one update per micro-batch of 8 windows drawn
 from the training text (seed 1000 + s); the held-out loss is the mean over the first
 ``EVAL_BATCHES`` batches of 64 consecutive held-out windows (the end of Acts).
+
+Run as a script it prints the diagnosis of docs/staleness.md: PipeDream's gap to synchronous
+training next to runs that change one thing (which stages are late and by how much, the split,
+the per-stage learning rates without staleness, 2BW's update per mini-batch), with the loss
+spikes of each run (a micro-batch loss more than ``SPIKE`` times the lowest of the
+``SPIKE_WINDOW`` before it):
+
+    python benchmarks/staleness_gpt.py --lrs 0.003 0.01 --seeds 3
+    python benchmarks/staleness_gpt.py --lrs 0.001 0.003 0.01 --updates 2400 --match "per 4"
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]
 CONTEXT, MICRO, EVAL_BATCHES = 64, 8, 8
 UNIGRAM = 3.0  # nats: the held-out loss of byte frequencies alone; below it a model has learnt
+SPIKE, SPIKE_WINDOW = 1.25, 5
+PREDICT = dict(weight_prediction="momentum", delay_compensation=None)
+SYNC = dict(schedule="1f1b")
+# name: (DelayedPipeline options, other run_gpt arguments, the row it is compared with)
+DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
+    "synchronous": (SYNC, {}, ""),
+    "PipeDream, prediction (AdamW's default)": (PREDICT, {}, "synchronous"),
+    "PipeDream, stashing": (dict(weight_prediction=None, delay_compensation=None), {},
+                            "synchronous"),
+    "every stage 3 late (one consistent delay)": (PREDICT, dict(lags=[3, 3, 3, 3]),
+                                                  "synchronous"),
+    "first stage (embedding + block) 3 late": (PREDICT, dict(lags=[3, 0, 0, 0]), "synchronous"),
+    "first stage 1 late": (PREDICT, dict(lags=[1, 0, 0, 0]), "synchronous"),
+    "stages 1-3 1 late": (PREDICT, dict(lags=[1, 1, 1, 0]), "synchronous"),
+    "embedding alone 3 late": (PREDICT, dict(lags=[3, 0, 0, 0, 0], balance=[1, 1, 1, 1, 2]),
+                               "synchronous"),
+    "PipeDream, lag-lr + prediction": (dict(weight_prediction="momentum",
+                                            delay_compensation="lag-lr"), {}, "synchronous"),
+    "synchronous at lag-lr's stage rates": (SYNC, dict(stage_scale=[1 / 4, 1 / 3, 1 / 2, 1]),
+                                            "synchronous"),
+    "synchronous, update per 4 micro-batches": (SYNC, dict(unit=4), ""),
+    "2BW (lag 1), update per 4 micro-batches": (
+        dict(schedule="pipedream-2bw", **PREDICT), dict(unit=4),
+        "synchronous, update per 4 micro-batches"),
+}
 
 
-def run_gpt(options: dict, lrs: list[float], seeds: int, updates: int) -> dict[str, list[float]]:
-    """Held-out loss per (lr, seed) after ``updates`` updates, with DelayedPipeline
-    ``options``."""
+def spikes(losses: list[float]) -> int:
+    """Micro-batch losses more than SPIKE times the lowest of the SPIKE_WINDOW before them."""
+    return sum(
+        losses[i] > SPIKE * min(losses[i - SPIKE_WINDOW : i])
+        for i in range(SPIKE_WINDOW, len(losses))
+    )
+
+
+def run_gpt(
+    options: dict, lrs: list[float], seeds: int, updates: int, *,
+    lags: list[int] | None = None, balance: list[int] = BALANCE,
+    stage_scale: list[float] | None = None, unit: int = 1,
+) -> dict[str, list[float]]:
+    """Held-out loss and loss spikes per (lr, seed) after ``updates`` micro-batches of data,
+    with DelayedPipeline ``options`` (``lags``: its per-stage lags), an update per ``unit``
+    micro-batches, and stage s's learning rate ``stage_scale[s]`` times the schedule's."""
     import torch
 
     from pipetrain.delayed import DelayedPipeline
@@ -37,23 +87,74 @@ def run_gpt(options: dict, lrs: list[float], seeds: int, updates: int) -> dict[s
 
     train, held = text.load_corpus()
     evaluation = text.held_out_batches(held, 64, CONTEXT)[:EVAL_BATCHES]
-    losses, pairs = [], [(lr, s) for lr in lrs for s in range(seeds)]
+    steps = updates // unit
+    losses, counts, pairs = [], [], [(lr, s) for lr in lrs for s in range(seeds)]
     for lr, seed in pairs:
         model = models.gpt(dim=64, blocks=4, heads=4, context=CONTEXT, seed=seed, tied=False)
         pipe = DelayedPipeline(
-            model, BALANCE, loss_fn=models.lm_loss,
+            model, balance, loss_fn=models.lm_loss,
             optimizer=lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95),
                                                           weight_decay=0.1),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lr_factor(updates, max(updates // 10, 1))),
-            **{"schedule": "pipedream", **options},
+                opt, lr_factor(steps, max(steps // 10, 1))),
+            lags=lags, **{"schedule": "pipedream", **options},
         )
-        batches = text.training_batches(train, MICRO, CONTEXT, seed=1000 + seed)
-        for _ in range(updates):
+        for stage, scale in zip(pipe.stages, stage_scale or [], strict=False):
+            assert stage.optimizer is not None and stage.scheduler is not None
+            stage.scheduler.base_lrs = [b * scale for b in stage.scheduler.base_lrs]
+            for group in stage.optimizer.param_groups:
+                group["lr"] *= scale
+        batches = text.training_batches(train, MICRO * unit, CONTEXT, seed=1000 + seed)
+        for _ in range(steps):
             pipe.train_step(*next(batches))
         with torch.no_grad():
             loss = statistics.mean(
                 float(models.lm_loss(pipe.eval_step(x), y)) for x, y in evaluation
             )
         losses.append(loss if loss == loss else float("inf"))  # NaN: diverged
-    return {"loss": losses, "lrs": [lr for lr, _ in pairs]}
+        counts.append(float(spikes(pipe.losses)))
+    return {"loss": losses, "spikes": counts, "lrs": [lr for lr, _ in pairs]}
+
+
+def diagnose(lrs: list[float], seeds: int, updates: int, match: list[str]) -> None:
+    """Print DIAGNOSIS's rows (those whose name contains one of ``match``, if given): mean
+    held-out loss, its difference to the row compared with (when that ran), and the mean
+    number of loss spikes per run, for each lr."""
+    import torch
+
+    torch.set_num_threads(1)
+    means: dict[str, list[float]] = {}
+    print(f"GPT on KJV bytes, AdamW, {updates} micro-batches of {MICRO} windows, mean of "
+          f"{seeds} seeds: held-out loss (difference to the row compared with, %) and loss "
+          "spikes per run\n")
+    print("| run | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
+    print("|---|" + "---|" * len(lrs))
+    for name, (options, arguments, reference) in DIAGNOSIS.items():
+        if match and not any(text in name for text in match):
+            continue
+        start = time.perf_counter()
+        run = run_gpt(options, lrs, seeds, updates, **arguments)
+        means[name] = [statistics.mean(run["loss"][i * seeds : (i + 1) * seeds])
+                       for i in range(len(lrs))]
+        cells = []
+        for i, loss in enumerate(means[name]):
+            jumps = statistics.mean(run["spikes"][i * seeds : (i + 1) * seeds])
+            versus = (f" ({100 * (loss / means[reference][i] - 1):+.1f} %)"
+                      if reference in means else "")
+            cells.append(f"{loss:.3f}{versus}, {jumps:.1f} spikes")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="where staleness hurts the GPT task")
+    parser.add_argument("--lrs", nargs="+", type=float, default=[0.003, 0.01])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=600, help="micro-batches of data")
+    parser.add_argument("--match", nargs="+", default=[], help="only the runs naming one of these")
+    args = parser.parse_args()
+    diagnose(args.lrs, args.seeds, args.updates, args.match)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ seeds and methods needs (benchmarks/staleness_study.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -34,7 +35,9 @@ Unit = tuple[object, object]  # (input, target) of one update unit
 class DelayedPipeline:
     """``model`` split by ``balance``, trained one unit per :meth:`train_step` with the lags of
     ``schedule`` and Pipeline's asynchronous options (``lr_scheduler``: stepped after each
-    stage's update, as in Pipeline)."""
+    stage's update, as in Pipeline). ``lags`` replaces the schedule's lags, for studies of
+    where staleness hurts (e.g. only the first stage late); the first stage's must be the
+    largest, as in every pipeline."""
 
     def __init__(
         self,
@@ -48,8 +51,15 @@ class DelayedPipeline:
         weight_prediction: str | None = AUTO,
         delay_compensation: str | DelayCompensation | None = AUTO,
         lr_scheduler: SchedulerFactory | None = None,
+        lags: Sequence[int] | None = None,
     ):
-        lags = build(schedule, len(balance), len(balance)).lag or (0,) * len(balance)
+        if lags is None:
+            lags = build(schedule, len(balance), len(balance)).lag or (0,) * len(balance)
+        elif len(lags) != len(balance) or min(lags) < 0 or lags[0] != max(lags):
+            raise ValueError(
+                f"lags={list(lags)} for {len(balance)} stages: give one lag >= 0 per stage, the "
+                "first stage's the largest (its forward runs furthest ahead)"
+            )
         if not any(lags) and (weight_prediction not in (None, AUTO) or not weight_stashing
                               or delay_compensation not in (None, AUTO)):
             raise ValueError(

@@ -7,6 +7,7 @@ DelayedPipeline, equal up to rounding)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import pipetrain
@@ -73,6 +74,24 @@ def test_synchronous_schedule_is_plain_training():
         DelayedPipeline(mlp(), BALANCE, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
                         optimizer=sgd, weight_prediction="momentum")
 
+
+def test_lags_replace_the_schedules():
+    data = batches(3)
+
+    def trained(**options) -> torch.Tensor:
+        delayed = DelayedPipeline(mlp(), BALANCE, loss_fn=nn.functional.cross_entropy,
+                                  optimizer=sgd, **options)
+        for x, y in data:
+            delayed.train_step(x, y)
+        return delayed.eval_step(data[0][0])  # type: ignore[return-value]
+
+    pipedream = trained()
+    assert torch.equal(trained(lags=(3, 2, 1, 0)), pipedream)  # PipeDream's own lags
+    assert torch.equal(trained(lags=(0, 0, 0, 0)), trained(schedule="1f1b"))
+    assert (trained(lags=(3, 0, 0, 0)) - pipedream).abs().max() > 1e-4  # stages 1-2 on time
+    for wrong in [(0, 1, 0, 0), (1, 1, 1), (1, 0, 0, -1)]:
+        with pytest.raises(ValueError, match="first stage's the largest"):
+            trained(lags=wrong)
 
 
 def test_weights_tied_across_stages_are_refused():
