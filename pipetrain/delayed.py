@@ -60,6 +60,12 @@ class DelayedPipeline:
                 f"lags={list(lags)} for {len(balance)} stages: give one lag >= 0 per stage, the "
                 "first stage's the largest (its forward runs furthest ahead)"
             )
+        if lags[-1] and not weight_stashing:
+            raise ValueError(
+                f"lags={list(lags)}: without stashing the last stage would recompute its forward "
+                "to backpropagate the loss, which it keeps from the forward; give it lag 0 or "
+                "keep weight_stashing=True"
+            )
         if not any(lags) and (weight_prediction not in (None, AUTO) or not weight_stashing
                               or delay_compensation not in (None, AUTO)):
             raise ValueError(

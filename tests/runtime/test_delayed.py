@@ -92,6 +92,8 @@ def test_lags_replace_the_schedules():
     for wrong in [(0, 1, 0, 0), (1, 1, 1), (1, 0, 0, -1)]:
         with pytest.raises(ValueError, match="first stage's the largest"):
             trained(lags=wrong)
+    with pytest.raises(ValueError, match="give it lag 0"):
+        trained(lags=(3, 3, 3, 3), weight_stashing=False)
 
 
 def test_weights_tied_across_stages_are_refused():
