@@ -136,6 +136,7 @@ class DelayedPipeline:
             stage.module.train(mode)
         return value
 
+    @torch.enable_grad()  # training, even when flushed from a caller's torch.no_grad()
     def _tick(self, t: int) -> None:
         for s in range(len(self.stages)):
             while self._forwarded[s] <= t + self.lags[s] and self._forwarded[s] < self._fed:

@@ -96,6 +96,22 @@ def test_lags_replace_the_schedules():
         trained(lags=(3, 3, 3, 3), weight_stashing=False)
 
 
+@pytest.mark.parametrize("stashing", [True, False])
+def test_a_flush_under_no_grad_still_trains(stashing):
+    """eval_step flushes the units in flight; a caller's torch.no_grad() must not drop their
+    gradients (stashing: silently) or break their backward (without stashing)."""
+    data = batches(2)
+    outputs = []
+    for no_grad in (False, True):
+        delayed = DelayedPipeline(mlp(), BALANCE, loss_fn=nn.functional.cross_entropy,
+                                  optimizer=sgd, weight_stashing=stashing)
+        for x, y in data:
+            delayed.train_step(x, y)
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            outputs.append(delayed.eval_step(data[0][0]))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_weights_tied_across_stages_are_refused():
     model = mlp()
     model[8].weight = model[0].weight  # layers 0 and 8 sit on stages 0 and 2 of BALANCE
