@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -571,8 +572,9 @@ class Pipeline:
             )
         ]
         try:
-            if self._threads is None:
-                self._outputs = executors[0].run(inputs, targets)
+            if self._threads is None:  # this thread: a caller's no_grad would drop the graph
+                with torch.enable_grad() if training else nullcontext():
+                    self._outputs = executors[0].run(inputs, targets)
                 return executors
             futures = [self._threads.submit(e.run, inputs, targets) for e in executors]
             errors = [f.exception() for f in futures]

@@ -15,6 +15,8 @@ What each test pins down:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -36,12 +38,15 @@ CONFIGS = {
     "2bw": dict(PLAIN, schedule="pipedream-2bw"),
     "2bw-predict": dict(PLAIN, schedule="pipedream-2bw", weight_prediction="momentum"),
     "2bw-default": dict(schedule="pipedream-2bw"),
+    # train_step and eval_step called inside the caller's torch.no_grad(): trains all the same
+    "default-no-grad": dict(schedule="pipedream", caller_no_grad=True),
 }
 
 
 def _train(world: int, devices: bool, optimizer=sgd, steps: int = STEPS, **options) -> dict:
     if devices:
         options["devices"] = ["cpu"] * world
+    caller = torch.no_grad() if options.pop("caller_no_grad", False) else nullcontext()
     pipe = pipetrain.Pipeline(
         mlp(), BALANCE[world], chunks=CHUNKS, loss_fn=nn.functional.cross_entropy,
         optimizer=optimizer, timeout=60, **options,
@@ -50,9 +55,10 @@ def _train(world: int, devices: bool, optimizer=sgd, steps: int = STEPS, **optio
         assert stage.versions is not None
         stage.versions.record = True
     data = batches(steps)
-    losses = [pipe.train_step(x, y) for x, y in data]
-    in_flight = pipe.in_flight
-    output = pipe.eval_step(data[0][0])  # flushes first
+    with caller:
+        losses = [pipe.train_step(x, y) for x, y in data]
+        in_flight = pipe.in_flight
+        output = pipe.eval_step(data[0][0])  # flushes first
     return {
         "losses": losses,
         "in_flight": (in_flight, pipe.in_flight),

@@ -63,6 +63,9 @@ def _every_config(rank: int, world: int) -> dict:
             mlp(), balance, batches(STEPS), chunks=CHUNKS[world], schedule=schedule,
             checkpoint=checkpoint, track_memory=True,
         )
+    # Called inside the caller's torch.no_grad() (an evaluation helper around training, say).
+    with torch.no_grad():
+        out["no_grad"] = _train(mlp(), balance, batches(STEPS), chunks=CHUNKS[world])
     # Fewer micro-batches than stages.
     out["few"] = _train(mlp(), balance, batches(STEPS), chunks=world // 2, schedule="1f1b")
     # Shapes that change between mini-batches (variable sequence length); a repeated length
@@ -110,6 +113,11 @@ def test_eval_step_output_matches_the_trained_model(runs, schedule):
     outputs = [r[schedule, "never"]["output"] for r in results]
     assert all(o is None for o in outputs[:-1]), "only the last stage returns the output"
     assert (outputs[-1] - expected).abs().max().item() <= TOLERANCE
+
+
+def test_a_callers_no_grad_does_not_stop_training(runs):
+    world, results = runs
+    assert_trains_like_one_process([r["no_grad"] for r in results], mlp(), batches(STEPS))
 
 
 def test_fewer_micro_batches_than_stages(runs):
