@@ -62,9 +62,9 @@ class DelayedPipeline:
             )
         if lags[-1] and not weight_stashing:
             raise ValueError(
-                f"lags={list(lags)}: without stashing the last stage would recompute its forward "
-                "to backpropagate the loss, which it keeps from the forward; give it lag 0 or "
-                "keep weight_stashing=True"
+                f"lags={list(lags)}: without stashing a late stage recomputes its forward at the "
+                "backward, which the last stage cannot (its loss comes from the forward): give "
+                "it lag 0 or keep weight_stashing=True"
             )
         if not any(lags) and (weight_prediction not in (None, AUTO) or not weight_stashing
                               or delay_compensation not in (None, AUTO)):
