@@ -50,6 +50,8 @@ DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
                                "synchronous"),
     "PipeDream, lag-lr + prediction": (dict(weight_prediction="momentum",
                                             delay_compensation="lag-lr"), {}, "synchronous"),
+    "late stages' gradients at the live weights (an oracle)": (PREDICT, dict(oracle=True),
+                                                               "synchronous"),
     "synchronous at lag-lr's stage rates": (SYNC, dict(stage_scale=[1 / 4, 1 / 3, 1 / 2, 1]),
                                             "synchronous"),
     "synchronous, update per 4 micro-batches": (SYNC, dict(unit=4), ""),
@@ -57,6 +59,30 @@ DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
         dict(schedule="pipedream-2bw", **PREDICT), dict(unit=4),
         "synchronous, update per 4 micro-batches"),
 }
+
+
+def fresh_gradients() -> type:
+    """DelayedPipeline with an oracle, for the study: no pipeline has these gradients when it
+    updates. After each unit's backward, every late stage's gradient is replaced by the whole
+    model's gradient at the live weights on that unit (what synchronous training would apply),
+    so the one thing left late is what the last stage learns from: activations that the late
+    stages' weights produced."""
+    import torch
+
+    from pipetrain.delayed import DelayedPipeline
+
+    class FreshGradients(DelayedPipeline):
+        def _update(self, x: object, y: object) -> None:
+            late = [p for stage, lag in zip(self.stages, self.lags, strict=True) if lag
+                    for p in stage.module.parameters()]
+            import models
+
+            loss = models.lm_loss(self.module(x), y)
+            for p, fresh in zip(late, torch.autograd.grad(loss, late), strict=True):
+                p.grad = fresh
+            super()._update(x, y)
+
+    return FreshGradients
 
 
 def spikes(losses: list[float]) -> int:
@@ -70,11 +96,12 @@ def spikes(losses: list[float]) -> int:
 def run_gpt(
     options: dict, lrs: list[float], seeds: int, updates: int, *,
     lags: list[int] | None = None, balance: list[int] = BALANCE,
-    stage_scale: list[float] | None = None, unit: int = 1,
+    stage_scale: list[float] | None = None, unit: int = 1, oracle: bool = False,
 ) -> dict[str, list[float]]:
     """Held-out loss and loss spikes per (lr, seed) after ``updates`` micro-batches of data,
     with DelayedPipeline ``options`` (``lags``: its per-stage lags), an update per ``unit``
-    micro-batches, and stage s's learning rate ``stage_scale[s]`` times the schedule's."""
+    micro-batches, stage s's learning rate ``stage_scale[s]`` times the schedule's, and
+    (``oracle``) the fresh gradients of :func:`fresh_gradients`."""
     import torch
 
     from pipetrain.delayed import DelayedPipeline
@@ -91,7 +118,7 @@ def run_gpt(
     losses, counts, pairs = [], [], [(lr, s) for lr in lrs for s in range(seeds)]
     for lr, seed in pairs:
         model = models.gpt(dim=64, blocks=4, heads=4, context=CONTEXT, seed=seed, tied=False)
-        pipe = DelayedPipeline(
+        pipe = (fresh_gradients() if oracle else DelayedPipeline)(
             model, balance, loss_fn=models.lm_loss,
             optimizer=lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95),
                                                           weight_decay=0.1),

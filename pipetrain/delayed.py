@@ -145,10 +145,14 @@ class DelayedPipeline:
         grads: list[torch.Tensor] = []
         for stage in reversed(self.stages):
             grads = stage.backward(t, grads)
+        self._update(*self._units.pop(t))
+        self._done += 1
+
+    def _update(self, x: object, y: object) -> None:
+        """Every stage's update after the backward of the unit ``(x, y)``; a study may change
+        the gradients first (benchmarks/staleness_gpt.py)."""
         for stage in self.stages:
             stage.step()
-        del self._units[t]
-        self._done += 1
 
     def _forward(self, s: int, unit: int) -> None:
         stage = self.stages[s]
