@@ -75,9 +75,9 @@ def fresh_gradients() -> type:
         def _update(self, x: object, y: object) -> None:
             late = [p for stage, lag in zip(self.stages, self.lags, strict=True) if lag
                     for p in stage.module.parameters()]
-            import models
-
-            loss = models.lm_loss(self.module(x), y)
+            loss_fn = self.stages[-1].loss_fn
+            assert loss_fn is not None
+            loss = loss_fn(self.module(x), y)
             for p, fresh in zip(late, torch.autograd.grad(loss, late), strict=True):
                 p.grad = fresh
             super()._update(x, y)
