@@ -28,6 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from pipetrain.delayed import DelayedPipeline
+
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]
 CONTEXT, MICRO, EVAL_BATCHES = 64, 8, 8
@@ -61,28 +65,22 @@ DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
 }
 
 
-def fresh_gradients() -> type:
+class FreshGradients(DelayedPipeline):
     """DelayedPipeline with an oracle, for the study: no pipeline has these gradients when it
     updates. After each unit's backward, every late stage's gradient is replaced by the whole
     model's gradient at the live weights on that unit (what synchronous training would apply),
     so the one thing left late is what the last stage learns from: activations that the late
     stages' weights produced."""
-    import torch
 
-    from pipetrain.delayed import DelayedPipeline
-
-    class FreshGradients(DelayedPipeline):
-        def _update(self, x: object, y: object) -> None:
-            late = [p for stage, lag in zip(self.stages, self.lags, strict=True) if lag
-                    for p in stage.module.parameters()]
-            loss_fn = self.stages[-1].loss_fn
-            assert loss_fn is not None
-            loss = loss_fn(self.module(x), y)
-            for p, fresh in zip(late, torch.autograd.grad(loss, late), strict=True):
-                p.grad = fresh
-            super()._update(x, y)
-
-    return FreshGradients
+    def _update(self, x: object, y: object) -> None:
+        late = [p for stage, lag in zip(self.stages, self.lags, strict=True) if lag
+                for p in stage.module.parameters()]
+        loss_fn = self.stages[-1].loss_fn
+        assert loss_fn is not None
+        loss = loss_fn(self.module(x), y)
+        for p, fresh in zip(late, torch.autograd.grad(loss, late), strict=True):
+            p.grad = fresh
+        super()._update(x, y)
 
 
 def spikes(losses: list[float]) -> int:
@@ -101,11 +99,7 @@ def run_gpt(
     """Held-out loss and loss spikes per (lr, seed) after ``updates`` micro-batches of data,
     with DelayedPipeline ``options`` (``lags``: its per-stage lags), an update per ``unit``
     micro-batches, stage s's learning rate ``stage_scale[s]`` times the schedule's, and
-    (``oracle``) the fresh gradients of :func:`fresh_gradients`."""
-    import torch
-
-    from pipetrain.delayed import DelayedPipeline
-
+    (``oracle``) the fresh gradients of :class:`FreshGradients`."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import models
@@ -118,7 +112,7 @@ def run_gpt(
     losses, counts, pairs = [], [], [(lr, s) for lr in lrs for s in range(seeds)]
     for lr, seed in pairs:
         model = models.gpt(dim=64, blocks=4, heads=4, context=CONTEXT, seed=seed, tied=False)
-        pipe = (fresh_gradients() if oracle else DelayedPipeline)(
+        pipe = (FreshGradients if oracle else DelayedPipeline)(
             model, balance, loss_fn=models.lm_loss,
             optimizer=lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95),
                                                           weight_decay=0.1),
@@ -147,8 +141,6 @@ def diagnose(lrs: list[float], seeds: int, updates: int, match: list[str]) -> No
     """Print DIAGNOSIS's rows (those whose name contains one of ``match``, if given): mean
     held-out loss, its difference to the row compared with (when that ran), and the mean
     number of loss spikes per run, for each lr."""
-    import torch
-
     torch.set_num_threads(1)
     means: dict[str, list[float]] = {}
     print(f"GPT on KJV bytes, AdamW, {updates} micro-batches of {MICRO} windows, mean of "
