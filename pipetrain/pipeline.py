@@ -347,6 +347,7 @@ class Pipeline:
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
+        self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
         if config.checkpoint_dir is not None:
             self.load(config.checkpoint_dir)
 
@@ -444,14 +445,29 @@ class Pipeline:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
-        previous one whole. An asynchronous pipeline is flushed first."""
+        previous one whole. An asynchronous pipeline is flushed first. Saving again at the
+        step this pipeline last saved (or loaded) in ``folder``, with nothing trained since,
+        returns that checkpoint: e.g. a final save right after a periodic one."""
         self.flush()
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
-        return checkpointing.save(
+        if self._saved is not None and self._already_saved(folder, *self._saved):
+            return self._saved[1]
+        path = checkpointing.save(
             folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages,
             self.scaler,
             self._protected,
+        )
+        self._saved = (self.step, path)
+        return path
+
+    def _already_saved(self, folder: str | os.PathLike, step: int, path: Path) -> bool:
+        """Whether ``path``, this pipeline's checkpoint of ``step``, holds its state now: same
+        step, same folder, still complete on disk (the same answer on every rank)."""
+        return (
+            step == self.step
+            and path.parent.resolve() == Path(folder).resolve()
+            and (path / "manifest.json").is_file()
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
@@ -463,6 +479,7 @@ class Pipeline:
             return None
         self.step, path = resumed
         self._protected = checkpointing.saved_after(path)
+        self._saved = (self.step, path)
         logger.info("resumed from step %d of %s", self.step, folder)
         return self.step
 
