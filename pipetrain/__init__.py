@@ -14,6 +14,7 @@ from pipetrain.errors import (
 )
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+from pipetrain.restart import restarted, start_or_resume
 from pipetrain.weights import PredictionError
 
 try:
@@ -35,4 +36,6 @@ __all__ = [
     "init_distributed",
     "shutdown",
     "profile",
+    "restarted",
+    "start_or_resume",
 ]
