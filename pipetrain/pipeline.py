@@ -34,6 +34,7 @@ from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
+from pipetrain.planning import warn_other_microbatch
 from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
@@ -348,6 +349,7 @@ class Pipeline:
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
+        self._unchecked_microbatch = config.planned_microbatch  # to compare with the first step's
         if config.checkpoint_dir is not None:
             self.load(config.checkpoint_dir)
 
@@ -390,6 +392,10 @@ class Pipeline:
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
         that forward, not for the backwards behind it."""
         _check_batches(x, y)
+        batch = x if x is not None else y
+        if self._unchecked_microbatch is not None and batch is not None:
+            warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
+            self._unchecked_microbatch = None  # once: the first step's
         start = time.perf_counter()
         self._loss = None
         lr = learning_rate(self.stages)  # the rate this step trains with
