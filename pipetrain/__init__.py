@@ -15,6 +15,7 @@ from pipetrain.errors import (
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
 from pipetrain.restart import restarted, start_or_resume
+from pipetrain.task import TrainTask
 from pipetrain.weights import PredictionError
 
 try:
@@ -31,6 +32,7 @@ __all__ = [
     "PipelineError",
     "PredictionError",
     "StageError",
+    "TrainTask",
     "__version__",
     "consolidate",
     "init_distributed",
