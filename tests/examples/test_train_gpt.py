@@ -186,3 +186,27 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
     assert f"trained {16 - step} steps" in log, log[-3000:]
     single(tmp_path / "single", *RESUMABLE)
     assert_same_parameters(folder, tmp_path / "single", 1e-5)
+
+
+def example_module():
+    """examples/train_gpt.py imported as its run imports it (examples/ on the path)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_gpt
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return train_gpt
+
+
+def test_stages_that_do_not_divide_the_world_are_refused():
+    train_gpt = example_module()
+    args = train_gpt.parse_args(["--stages", "3"])
+    refused = r"3 stages do not divide the 4 ranks .*one of \[1, 2, 4\]"
+    with pytest.raises(SystemExit, match=refused):
+        train_gpt.ranks_per_pipeline(args, None, 4)
+    assert train_gpt.ranks_per_pipeline(train_gpt.parse_args(["--stages", "2"]), None, 4) == 2
+    assert train_gpt.ranks_per_pipeline(train_gpt.parse_args([]), None, 4) == 4  # no replicas
+    args = train_gpt.parse_args(["--stages", "2", "--batch", "12", "--chunks", "4"])
+    with pytest.raises(SystemExit, match=r"--batch 12 does not split into 2 replica\(s\) x 4 "
+                       r"micro-batches: pass a multiple of 8"):
+        train_gpt.batch_layout(args, None, 2)
