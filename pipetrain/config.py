@@ -15,6 +15,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
+from pipetrain.cuda_graphs import check_mode
 from pipetrain.planning import load_plan
 from pipetrain.stage import (
     LossFn,
@@ -78,6 +79,7 @@ class PipelineConfig:
     checkpoint_dir: str | os.PathLike | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
+    cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/cuda_graphs.py)
 
     @property
     def asynchronous(self) -> bool:
@@ -120,6 +122,7 @@ class PipelineConfig:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
+        cuda_graphs: bool | str = False,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = None
@@ -141,7 +144,9 @@ class PipelineConfig:
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
         compensation = parse_option(delay_compensation)
-        checkpoint = checkpoint or default_checkpoint(schedule)
+        # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
+        graphs = check_mode(cuda_graphs)
+        checkpoint = checkpoint or ("never" if graphs else default_checkpoint(schedule))
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
@@ -162,7 +167,7 @@ class PipelineConfig:
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            planned_ranks=planned_ranks,
+            planned_ranks=planned_ranks, cuda_graphs=graphs,
         )
 
 
