@@ -135,12 +135,15 @@ class _Capturable(nn.Module):
         self.body = body
         self._run, self._spec = run, spec
         self.returns_tuple = False
+        self.differentiable: tuple[bool, ...] = ()  # per output: whether it carries a gradient
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         value, *target = _pytree.tree_unflatten(list(tensors), self._spec)
         out = self._run(value, target[0] if target else None)
         self.returns_tuple = isinstance(out, tuple)
-        return tuple(out) if isinstance(out, tuple) else (cast(torch.Tensor, out),)
+        result = tuple(out) if isinstance(out, tuple) else (cast(torch.Tensor, out),)
+        self.differentiable = tuple(t.requires_grad for t in result)
+        return result
 
 
 class StageGraphs:
@@ -181,7 +184,12 @@ class StageGraphs:
             )
         graphed = free.pop()
         self._taken[microbatch] = (key, graphed)
-        outputs = tuple(o.clone() for o in graphed(*leaves))  # the graph's buffers get reused
+        # copies: the graph's buffers get reused; an output without a gradient eagerly stays
+        # without one (the graph's autograd node would give every float output one)
+        outputs = tuple(
+            o.clone() if grad else o.detach().clone()
+            for o, grad in zip(graphed(*leaves), graphed.differentiable, strict=True)
+        )
         self.replays += 1
         return outputs if graphed.returns_tuple else outputs[0]
 
