@@ -29,11 +29,12 @@ checkpoint mode (and with CUDA graphs).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,9 +62,12 @@ class Setup:
     clip: float = 1.0
 
     def model(self) -> torch.nn.Sequential:
-        models, _ = _imports()
-        return models.gpt(vocab=256, dim=self.dim, blocks=self.blocks, heads=self.heads,
-                          context=self.context, seed=0)
+        """The same weights for every variant: a copy of one model built per process."""
+        if self not in _BUILT:
+            models, _ = _imports()
+            _BUILT[self] = models.gpt(vocab=256, dim=self.dim, blocks=self.blocks,
+                                      heads=self.heads, context=self.context, seed=0)
+        return copy.deepcopy(_BUILT[self])
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(0)
@@ -71,6 +75,7 @@ class Setup:
         return tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
 
 
+_BUILT: dict[Setup, torch.nn.Sequential] = {}
 SMOKE = Setup(dim=32, blocks=2, heads=2, context=16, batch=8, chunks=4, device="cpu")
 
 
@@ -161,9 +166,12 @@ def _join_world(port: int, device: str) -> None:
 def _timing(rank: int, port: int, setup: dict, precisions: list[str], opts: dict,
             results) -> None:
     """A fresh process: every variant of each of ``precisions``, alternated over rounds."""
+    import torch.distributed as dist
+
     run = Setup(**setup)
     _join_world(port, run.device)
     results.put([_time_precision(run, precision, opts) for precision in precisions])
+    dist.destroy_process_group()
 
 
 def _time_precision(run: Setup, precision: str, opts: dict) -> dict:
@@ -199,11 +207,11 @@ def _time_precision(run: Setup, precision: str, opts: dict) -> dict:
 
 
 def _memory(rank: int, port: int, setup: dict, row: str, steps: int, results) -> None:
-    """A fresh process: one row's peak memory over ``steps`` bf16 steps."""
+    """A fresh process: one row's peak memory over ``steps`` bf16 steps (pipetrain in one
+    process needs no process group)."""
     from pipetrain.progress import peak_memory
 
     run = Setup(**setup)
-    _join_world(port, run.device)
     if row == "accumulation":
         variant: _Accumulation | _Pipetrain = _Accumulation(run, "bf16")
     else:
@@ -305,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = [result for group in groups
              for result in spawn_ranks(_timing, 1, asdict(setup), group, opts,
                                        timeout=args.timeout)]
+    report = _Report(setup, args, time_table(timed, graphs), started)
+    report.write()  # the time table stands even if a memory row runs out of time
     rows = [] if args.no_memory else memory_rows(graphs)
     if args.smoke:
         rows = rows[:1] + ["1f1b never"]
@@ -317,21 +327,40 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:
             print(f"memory row {row!r} failed: {error}", file=sys.stderr)
             peaks[row] = None
-    name = torch.cuda.get_device_name(0) if setup.device.startswith("cuda") else "CPU"
-    lines = [
-        f"{name}; GPT width {setup.dim}, {setup.blocks} blocks, context {setup.context}, batch "
-        f"{setup.batch} in {setup.chunks} micro-batches, one stage on {setup.device}, fused "
-        f"AdamW (on CUDA), clip {setup.clip}; median of {args.rounds} rounds x {args.steps} "
-        f"steps per variant, alternated; torch {torch.__version__}",
-        "", *time_table(timed, graphs), "", *(memory_table(peaks) if peaks else []),
-        "", f"wall time {time.monotonic() - started:.0f} s",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        report.memory = memory_table(peaks)
+        report.write(final=row == rows[-1])
+    if not rows:
+        report.write(final=True)
     return 0
 
+
+@dataclass
+class _Report:
+    """The tables so far, printed at the end and written to ``--out`` as they grow."""
+
+    setup: Setup
+    args: argparse.Namespace
+    times: list[str]
+    started: float
+    memory: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        setup, args = self.setup, self.args
+        name = torch.cuda.get_device_name(0) if setup.device.startswith("cuda") else "CPU"
+        return "\n".join([
+            f"{name}; GPT width {setup.dim}, {setup.blocks} blocks, context {setup.context}, "
+            f"batch {setup.batch} in {setup.chunks} micro-batches, one stage on {setup.device}, "
+            f"AdamW (fused on CUDA), clip {setup.clip}; median of {args.rounds} rounds x "
+            f"{args.steps} steps per variant, alternated; torch {torch.__version__}",
+            "", *self.times, "", *self.memory,
+            "", f"wall time {time.monotonic() - self.started:.0f} s",
+        ])
+
+    def write(self, final: bool = False) -> None:
+        if self.args.out:
+            Path(self.args.out).write_text(self.text() + "\n")
+        if final:
+            print(self.text())
 
 if __name__ == "__main__":
     sys.exit(main())

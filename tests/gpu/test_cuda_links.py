@@ -43,6 +43,7 @@ def test_the_copy_waits_for_the_sender_and_the_receiver_for_the_copy():
     with torch.cuda.stream(other):
         (got,) = receiver.recv([TensorMeta(SHAPE, torch.float32, False)], 0, 0).wait(5)
         doubled = got * 2
+    other.synchronize()  # (a copy to the host on the default stream would not wait for it)
     assert torch.equal(doubled.cpu(), torch.full(SHAPE, 6.0))
 
 
