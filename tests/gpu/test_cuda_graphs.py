@@ -21,7 +21,6 @@ from torch import nn
 
 import pipetrain
 from examples.models import lm_loss
-from pipetrain.errors import StageError
 from tests.runtime.models import batches, mlp, text_batches, tiny_gpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -99,40 +98,3 @@ def test_a_new_shape_is_captured_anew():
     pipe = _check_same("gpt", [2, 3], "1f1b", data=[(x.cuda(), y.cuda()) for x, y in data])
     assert [stage.graphs.captured for stage in pipe.stages] == [2, 2]
 
-
-class _HostSync(nn.Module):
-    """Reads a value on the host mid-forward, which a CUDA graph cannot hold."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (1.0 if x.abs().max().item() > 0 else 0.0)
-
-
-def _host_sync_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 12), _HostSync(), nn.ReLU(), nn.Linear(12, 5))
-
-
-def test_host_sync_in_the_model_is_refused_with_the_reason():
-    pipe = pipetrain.Pipeline(
-        _host_sync_model(), [4], chunks=2, loss_fn=nn.functional.cross_entropy,
-        optimizer=_sgd, devices=["cuda:0"], cuda_graphs=True,
-    )
-    x, y = batches(1)[0]
-    with pytest.raises(StageError, match="host synchronisations"):
-        pipe.train_step(x.cuda(), y.cuda())
-
-
-def test_auto_runs_a_stage_with_a_host_sync_eagerly():
-    results, pipes = [], []
-    for graphs in ("auto", False):
-        pipe = pipetrain.Pipeline(
-            _host_sync_model(), [4], chunks=2, loss_fn=nn.functional.cross_entropy,
-            optimizer=_sgd, devices=["cuda:0"], cuda_graphs=graphs,
-        )
-        for x, y in batches(3):
-            pipe.train_step(x.cuda(), y.cuda())
-        results.append({k: v.float().cpu() for k, v in pipe.module.state_dict().items()})
-        pipes.append(pipe)
-    graphs = pipes[0].stages[0].graphs
-    assert graphs is not None and graphs.eager_only and graphs.replays == 0
-    assert _largest_difference(*results) <= TOLERANCE["fp32"]
