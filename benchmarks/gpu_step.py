@@ -169,9 +169,13 @@ def _timing(rank: int, port: int, setup: dict, precisions: list[str], opts: dict
     import torch.distributed as dist
 
     run = Setup(**setup)
-    _join_world(port, run.device)
+    try:
+        _join_world(port, run.device)
+    except Exception as error:  # torch's variants then fail on their own; pipetrain's run
+        print(f"no process group of one: {error}", file=sys.stderr)
     results.put([_time_precision(run, precision, opts) for precision in precisions])
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _time_precision(run: Setup, precision: str, opts: dict) -> dict:
@@ -187,9 +191,7 @@ def _time_precision(run: Setup, precision: str, opts: dict) -> dict:
     for name, build in builders.items():  # warm-up (graphs: the eager step, then the capture)
         try:
             variants[name] = build()
-            for _ in range(opts["warmup"]):
-                last[name] = variants[name].step(x, y)
-            _finish(run.device)
+            _steps(variants[name], x, y, opts["warmup"], run.device, last, name)
         except Exception as error:  # the other variants' figures still count
             failed[name] = f"{type(error).__name__}: {error}"[:300]
             variants.pop(name, None)
@@ -197,13 +199,27 @@ def _time_precision(run: Setup, precision: str, opts: dict) -> dict:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(opts["rounds"]):
         for name in rotation(list(variants), r):
-            for _ in range(opts["steps"]):
-                start = time.perf_counter()
-                last[name] = variants[name].step(x, y)
-                _finish(run.device)
-                times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+            if name in failed:
+                continue
+            try:
+                times[name] += _steps(variants[name], x, y, opts["steps"], run.device, last, name)
+            except Exception as error:
+                failed[name] = f"{type(error).__name__}: {error}"[:300]
+                print(f"{precision} {name} failed: {failed[name]}", file=sys.stderr)
+    medians = {name: statistics.median(t) for name, t in times.items()
+               if t and name not in failed}
     return {"precision": precision, "median": medians, "loss": last, "failed": failed}
+
+
+def _steps(variant, x, y, count: int, device: str, last: dict, name: str) -> list[float]:
+    """``count`` steps of ``variant``, each timed until the GPU is done; the last loss kept."""
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        last[name] = variant.step(x, y)
+        _finish(device)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def _memory(rank: int, port: int, setup: dict, row: str, steps: int, results) -> None:
@@ -310,9 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     precisions = args.precisions.split(",")
     # a process per precision (the variants of both would crowd one GPU); one for the smoke
     groups = [precisions] if args.smoke else [[p] for p in precisions]
-    timed = [result for group in groups
-             for result in spawn_ranks(_timing, 1, asdict(setup), group, opts,
-                                       timeout=args.timeout)]
+    timed = []
+    for group in groups:  # a process that dies leaves the other precision's rows standing
+        try:
+            timed += spawn_ranks(_timing, 1, asdict(setup), group, opts, timeout=args.timeout)
+        except Exception as error:
+            print(f"timing of {group} failed: {error}", file=sys.stderr)
+            timed += [{"precision": p, "median": {}, "loss": {}, "failed": {"all": str(error)}}
+                      for p in group]
     report = _Report(setup, args, time_table(timed, graphs), started)
     report.write()  # the time table stands even if a memory row runs out of time
     rows = [] if args.no_memory else memory_rows(graphs)
