@@ -77,16 +77,16 @@ class _Pipetrain:
         self.pipe.train_step(self.x, self.y)
 
 
-class _Autocast(nn.Module):
-    """A stage's layers run under torch.autocast, as a torch.distributed.pipelining user
-    would wrap them."""
+class Autocast(nn.Module):
+    """A stage's layers run under torch.autocast on ``device_type``, as a
+    torch.distributed.pipelining user would wrap them (benchmarks/gpu_step.py uses it too)."""
 
-    def __init__(self, inner: nn.Module, dtype: torch.dtype | None):
+    def __init__(self, inner: nn.Module, dtype: torch.dtype | None, device_type: str = "cpu"):
         super().__init__()
-        self.inner, self.dtype = inner, dtype
+        self.inner, self.dtype, self.device_type = inner, dtype, device_type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype is not None):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
             return self.inner(x)
 
 
@@ -106,7 +106,7 @@ class _Torch:
         model = models.gpt()
         bounds = [sum(balance[:s]) for s in range(stages + 1)]
         self.stages = [
-            PipelineStage(_Autocast(model[bounds[s]:bounds[s + 1]], dtype), s, stages,
+            PipelineStage(Autocast(model[bounds[s]:bounds[s + 1]], dtype), s, stages,
                           torch.device("cpu"))
             for s in mine
         ]

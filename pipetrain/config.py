@@ -15,6 +15,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
+from pipetrain.cuda_graphs import check_mode
 from pipetrain.planning import load_plan
 from pipetrain.stage import (
     LossFn,
@@ -79,6 +80,7 @@ class PipelineConfig:
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
+    cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/cuda_graphs.py)
 
     @property
     def asynchronous(self) -> bool:
@@ -121,6 +123,7 @@ class PipelineConfig:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
+        cuda_graphs: bool | str = False,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = planned_microbatch = None
@@ -144,7 +147,9 @@ class PipelineConfig:
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
         compensation = parse_option(delay_compensation)
-        checkpoint = checkpoint or default_checkpoint(schedule)
+        # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
+        graphs = check_mode(cuda_graphs)
+        checkpoint = checkpoint or ("never" if graphs else default_checkpoint(schedule))
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
@@ -166,6 +171,7 @@ class PipelineConfig:
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
+            cuda_graphs=graphs,
         )
 
 

@@ -29,6 +29,7 @@ from pipetrain.agreement import check_same, fingerprint
 from pipetrain.batchnorm import DeferredBatchNorm
 from pipetrain.compensation import AUTO, DelayCompensation
 from pipetrain.config import PipelineConfig, check_balance
+from pipetrain.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
 from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
@@ -148,6 +149,14 @@ class Pipeline:
     ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
     ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
     "loss_scale" and "skipped_step".
+
+    ``cuda_graphs=True`` captures each stage's training forward and backward as CUDA graphs
+    after the first step with each micro-batch shape and replays them from then on, for the
+    same parameters as eager training at a fraction of the host's launch work (a host-bound
+    step then runs at the GPU's speed). It needs CUDA stages, a synchronous schedule without
+    split backward, and keeps activations (``checkpoint`` defaults to "never"); what cannot be
+    captured is refused with the reason, and ``cuda_graphs="auto"`` runs it eagerly instead
+    (see pipetrain/cuda_graphs.py).
     """
 
     def __init__(
@@ -177,6 +186,7 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
+        cuda_graphs: bool | str = False,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -185,7 +195,7 @@ class Pipeline:
             progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
-            delay_compensation=delay_compensation,
+            delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
         )
         if config.deferred_batch_norm:
             model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
@@ -310,7 +320,7 @@ class Pipeline:
                 weight_prediction=config.weight_prediction, compensation=config.compensation,
                 schedule=config.schedule,
             )
-        return Stage(
+        stage = Stage(
             module=module, index=index, count=len(parts), offset=offset, device=device,
             optimizer=config.optimizer, loss_fn=config.loss_fn, checkpoint=config.checkpoint,
             track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
@@ -319,6 +329,28 @@ class Pipeline:
             weight_versions=versions,
             loss_divisor=1 if config.schedule == "pipedream" else None,
         )
+        self._use_graphs(stage)
+        return stage
+
+    def _use_graphs(self, stage: Stage) -> None:
+        """Give ``stage`` CUDA graphs when asked and possible (pipetrain/cuda_graphs.py):
+        under ``cuda_graphs=True`` what cannot be captured is refused, under "auto" it runs
+        eagerly."""
+        config = self.config
+        if not config.cuda_graphs:
+            return
+        reason = pipeline_refusal(
+            self.schedule, config.checkpoint, config.track_memory, config.deferred_batch_norm
+        ) or stage_refusal(stage.index, stage.device, stage.module)
+        if reason is None:
+            stage.use_graphs(slots_needed(self.schedule, stage.index), config.cuda_graphs is True)
+        elif config.cuda_graphs is True:
+            raise ValueError(
+                f"{reason}. Pass cuda_graphs='auto' to run what cannot be captured eagerly, "
+                "or cuda_graphs=False"
+            )
+        else:
+            logger.info("stage %d runs eagerly (cuda_graphs='auto'): %s", stage.index, reason)
 
     def _start_training(self, ties: list[Tie]) -> None:
         """The state of training: the step across stages (fp16's loss scale, clipping), the
@@ -421,6 +453,9 @@ class Pipeline:
         self._record_metrics(
             value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
         )
+        for stage in self.stages:  # no stage runs now: capture what the step met first
+            if stage.graphs is not None:
+                stage.graphs.capture_pending()
         every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
         if folder is not None and every and self.step % every == 0:
             self.save(folder)

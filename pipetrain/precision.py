@@ -29,9 +29,14 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return DTYPES[precision]
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
-    """``torch.autocast`` on ``device`` to ``dtype``; nothing for fp32 (None)."""
-    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+def autocast(
+    device: torch.device, dtype: torch.dtype | None, cache: bool = True
+) -> AbstractContextManager:
+    """``torch.autocast`` on ``device`` to ``dtype``; nothing for fp32 (None). ``cache=False``
+    recasts the weights at each use (a CUDA graph's capture needs that)."""
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 def to_boundary(value: object, dtype: torch.dtype | None) -> object:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from pipetrain.batchnorm import gathering_statistics
+from pipetrain.cuda_graphs import StageGraphs
 from pipetrain.data_parallel import GradientSync
 from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
@@ -164,6 +165,18 @@ class Stage:
         )
         self.loss_divisor = loss_divisor
         self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        self.graphs: StageGraphs | None = None  # CUDA graphs (pipetrain/cuda_graphs.py)
+        self._autocast_cache = True
+
+    def use_graphs(self, slots: int, strict: bool) -> None:
+        """Replay CUDA graphs of the training forward and backward (pipetrain/cuda_graphs.py),
+        ``slots`` micro-batches at a time. Gradients then stay allocated (a replay adds into
+        them in place) and autocast keeps no weight-cast cache (a replay cannot use one)."""
+        self._autocast_cache = False
+        self.graphs = StageGraphs(
+            self.index, self.device, self.module, self._run_and_score, self.rng,
+            slots, strict,
+        )
 
     def _functional(
         self, weights: list[torch.Tensor] | None, target: object
@@ -277,6 +290,8 @@ class Stage:
                     work, value, use_reentrant=False, preserve_rng_state=False,
                     context_fn=partial(self.rng.checkpoint_contexts, start),
                 )
+            elif self.graphs is not None:
+                output = self.graphs.forward(microbatch, value, target)
             else:
                 output = work(value)
         return output, cuts
@@ -286,7 +301,7 @@ class Stage:
     ) -> object:
         """The slice's output (in the autocast dtype, for the next stage), or on the last stage
         its loss against ``target`` (``score=False``: its output)."""
-        with autocast(self.device, self.autocast_dtype):
+        with autocast(self.device, self.autocast_dtype, cache=self._autocast_cache):
             output = self._run_layers(value, cuts)
             if self.is_last:
                 return self._loss(output, target) if score else output
@@ -333,6 +348,9 @@ class Stage:
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 found = [x.grad for x in wanted]
+                if self.graphs is not None and self.graphs.release(microbatch):
+                    # a replayed backward's input gradients may be the graph's own buffers
+                    found = [g.clone() if g is not None else None for g in found]
             else:
                 found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
         if self.ledger and not self.split_backward:
@@ -422,7 +440,9 @@ class Stage:
 
     def zero_grad(self) -> None:
         self.losses.clear()
-        keep = bool(self.syncs)  # synchronised gradients are views into all-reduce buckets
+        # synchronised gradients are views into all-reduce buckets; a replayed CUDA graph
+        # adds into .grad in place (a .grad set to None would become the graph's buffer)
+        keep = bool(self.syncs) or self.graphs is not None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=not keep)
         else:

@@ -5,6 +5,12 @@ GPUs), one process per stage. ``LocalTransport`` connects stages that run as thr
 process (torchgpipe-style, one device each). Both post operations without blocking and return a
 handle; only ``Handle.wait`` blocks, always with a timeout. Both can abort: a failing stage
 records why and breaks its links, so its peers stop at once instead of waiting out the timeout.
+
+On CUDA devices neither blocks the host or a device: NCCL runs its point-to-point operations on
+streams of its own, and ``LocalTransport`` copies between CUDA stages on a stream per link
+(pipetrain's ``_CudaLink``), ordered by events: the copy waits for the sender's work up to the
+send and nothing else, and the receiver's work waits for the copy, so a send never waits for
+compute unrelated to its tensor (as a copy on the compute streams would, across devices).
 """
 
 from __future__ import annotations
@@ -219,6 +225,7 @@ class LocalHub:
     def __init__(self, devices: Sequence[torch.device]):
         self.devices = list(devices)
         self._boxes: dict[tuple[int, int, int], queue.SimpleQueue] = {}
+        self._links: dict[tuple[int, int], _CudaLink] = {}
         self._lock = threading.Lock()
         self.aborted = threading.Event()
         self.reason: str | None = None
@@ -226,6 +233,13 @@ class LocalHub:
     def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
         with self._lock:
             return self._boxes.setdefault((src, dst, tag), queue.SimpleQueue())
+
+    def link(self, src: int, dst: int) -> _CudaLink:
+        """The CUDA streams that carry rank ``src``'s messages to rank ``dst``."""
+        with self._lock:
+            if (src, dst) not in self._links:
+                self._links[src, dst] = _CudaLink(self.devices[src], self.devices[dst])
+            return self._links[src, dst]
 
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -235,6 +249,34 @@ class LocalHub:
 
     def endpoint(self, rank: int) -> LocalTransport:
         return LocalTransport(self, rank)
+
+
+class _CudaLink:
+    """Copies from one CUDA stage to another (on its device or another) on streams of their
+    own, one per link and end: an activation and a gradient never queue behind each other or
+    behind either stage's compute. The sent tensors must not be written again by their stage
+    (the executor sends fresh outputs and gradients)."""
+
+    def __init__(self, source: torch.device, target: torch.device):
+        self.source, self.target = source, target
+        self.send_stream = torch.cuda.Stream(source)
+        self.recv_stream = self.send_stream if source == target else torch.cuda.Stream(target)
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Copies of ``tensors`` on the target device, and the event that marks them done.
+        Host tensors (the boundary header, which its reader needs on the host) stay there."""
+        self.send_stream.wait_stream(torch.cuda.current_stream(self.source))
+        copies = []
+        with torch.cuda.stream(self.send_stream), torch.cuda.stream(self.recv_stream):
+            for t in tensors:
+                if t.device.type != "cuda":
+                    copies.append(t.detach().clone())
+                    continue
+                t.record_stream(self.send_stream)  # freed by its stage: reused after the copy
+                copies.append(t.detach().to(self.target, copy=True, non_blocking=True))
+            ready = torch.cuda.Event()
+            ready.record(self.recv_stream)
+        return copies, ready
 
 
 class _LocalSend(Handle):
@@ -247,8 +289,11 @@ class _LocalRecv(Handle):
 
     def __init__(self, box: queue.SimpleQueue, hub: LocalHub):
         self._box, self._hub = box, hub
+        self.ready: torch.cuda.Event | None = None  # a CUDA link's copy is done at this event
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
+        """The message's tensors; from a CUDA link, with this thread's current stream made to
+        wait for their copy (the host does not wait)."""
         deadline = time.monotonic() + timeout
         while True:
             if self._hub.aborted.is_set():
@@ -257,9 +302,16 @@ class _LocalRecv(Handle):
             if left <= 0:
                 raise CommunicationTimeout(f"no message within {timeout:g} s")
             try:
-                return self._box.get(timeout=min(left, self._POLL))
+                tensors, self.ready = self._box.get(timeout=min(left, self._POLL))
             except queue.Empty:
                 continue
+            if self.ready is not None:
+                for t in tensors:
+                    if t.is_cuda:
+                        stream = torch.cuda.current_stream(t.device)
+                        stream.wait_event(self.ready)
+                        t.record_stream(stream)  # used here, though copied on the link's stream
+            return tensors
 
 
 class LocalTransport(Transport):
@@ -271,8 +323,12 @@ class LocalTransport(Transport):
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> Handle:
         target = self.hub.devices[peer]
-        copies = [t.detach().to(target, copy=True) for t in tensors]
-        self.hub.box(self.rank, peer, tag).put(copies)
+        message: tuple[list[torch.Tensor], torch.cuda.Event | None]
+        if self.device.type == "cuda" and target.type == "cuda":
+            message = self.hub.link(self.rank, peer).copy(tensors)
+        else:  # a host is involved: a plain copy, which the host waits for
+            message = ([t.detach().to(target, copy=True) for t in tensors], None)
+        self.hub.box(self.rank, peer, tag).put(message)
         return _LocalSend()
 
     def recv(self, metas: Sequence[TensorMeta], peer: int, tag: int) -> Handle:

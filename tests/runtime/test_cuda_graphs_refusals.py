@@ -1,0 +1,115 @@
+"""What ``Pipeline(cuda_graphs=...)`` refuses, checked on the CPU (the graphs themselves are
+tested on a GPU in tests/gpu/test_cuda_graphs.py): each refusal names its reason and the fix,
+``"auto"`` trains eagerly instead, and a failed capture is reported as such."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain
+from pipetrain.config import PipelineConfig
+from pipetrain.cuda_graphs import MAX_SIGNATURES, StageGraphs, slots_needed, stage_refusal
+from pipetrain.errors import StageError
+from pipetrain.rng import StageRng
+from schedules import build
+from tests.runtime.models import batches, mlp, sgd
+
+
+def _pipe(**options) -> pipetrain.Pipeline:
+    options.setdefault("devices", ["cpu", "cpu"])
+    return pipetrain.Pipeline(
+        mlp(), [4, 8], chunks=4, loss_fn=nn.functional.cross_entropy, optimizer=sgd, **options
+    )
+
+
+def test_cpu_stages_are_refused_at_construction():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs CUDA devices; stage 0 is on cpu"):
+        _pipe(cuda_graphs=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"schedule": "pipedream"}, "asynchronous"),
+        ({"schedule": "zb-h1"}, "splits the backward"),
+        ({"checkpoint": "always"}, "recomputes forwards inside the backward"),
+        ({"checkpoint": "except_last", "schedule": "gpipe"}, "checkpoint='never'"),
+        ({"track_memory": True}, "track_memory"),
+        ({"deferred_batch_norm": True}, "deferred_batch_norm"),
+    ],
+)
+def test_what_cannot_be_captured_is_refused_with_the_reason(options, reason):
+    with pytest.raises(ValueError, match=reason) as refused:
+        _pipe(cuda_graphs=True, **options)
+    assert "cuda_graphs='auto'" in str(refused.value)  # and the fix
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="cuda_graphs must be False, True or 'auto'"):
+        _pipe(cuda_graphs="yes")
+
+
+def test_hooks_are_refused():
+    module = nn.Sequential(nn.Linear(2, 2))
+    module[0].register_forward_hook(lambda *args: None)
+    reason = stage_refusal(0, torch.device("cuda:0"), module)
+    assert reason is not None and "hooks" in reason
+
+
+def test_graphs_keep_activations_by_default():
+    resolved = PipelineConfig.resolve(mlp(), [4, 8], schedule="gpipe", cuda_graphs="auto")
+    assert resolved.checkpoint == "never"
+    assert PipelineConfig.resolve(mlp(), [4, 8], schedule="gpipe").checkpoint == "except_last"
+
+
+def test_auto_on_cpu_trains_eagerly_as_without():
+    results = []
+    for graphs in ("auto", False):
+        torch.manual_seed(0)
+        pipe = _pipe(cuda_graphs=graphs, schedule="1f1b")
+        for x, y in batches(2):
+            pipe.train_step(x, y)
+        assert all(stage.graphs is None for stage in pipe.stages)
+        results.append(pipe.module.state_dict())
+    for key, value in results[0].items():
+        assert torch.equal(value, results[1][key]), key
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"), [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("interleaved", [4, 3, 2, 1])]
+)
+def test_slots_cover_the_micro_batches_in_flight(schedule, expected):
+    stages = len(expected)
+    built = build(schedule, stages, 4, ranks=2 if schedule == "interleaved" else stages)
+    assert [slots_needed(built, s) for s in range(stages)] == expected
+
+
+def _graphs(strict: bool) -> StageGraphs:
+    module = nn.Sequential(nn.Linear(3, 3))
+    return StageGraphs(
+        0, torch.device("cpu"), module, lambda value, target: module(value),
+        StageRng(0, torch.device("cpu")), slots=1, strict=strict,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a capture that fails without CUDA")
+def test_a_failed_capture_names_the_stage_and_the_fix():
+    strict, auto = _graphs(True), _graphs(False)
+    for graphs in (strict, auto):
+        out = graphs.forward(0, torch.randn(2, 3), None)  # eager: its shape is noted
+        assert out.shape == (2, 3) and graphs.captured == 0
+    with pytest.raises(StageError, match="stage 0: capturing its CUDA graph failed") as failed:
+        strict.capture_pending()
+    assert "cuda_graphs='auto'" in str(failed.value)
+    auto.capture_pending()  # "auto": eager from now on
+    assert auto.eager_only and auto.captured == 0
+
+
+def test_too_many_shapes_are_refused_under_true():
+    graphs = _graphs(True)
+    for width in range(1, MAX_SIGNATURES + 1):
+        graphs.forward(0, torch.randn(width, 3), None)
+    with pytest.raises(ValueError, match="pad the inputs to a few fixed shapes"):
+        graphs.forward(0, torch.randn(MAX_SIGNATURES + 1, 3), None)
