@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -252,15 +253,19 @@ def test_a_non_positive_timeout_and_an_empty_batch_are_refused():
 
 
 class Sleepy(nn.Module):
-    """Counts its calls and takes 0.1 s over each."""
+    """Counts its calls and takes 0.1 s over each; with ``until`` (an Event), its second call
+    also waits for it (at most 10 s), to be still busy when a later stage fails."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.until: threading.Event | None = None
 
     def forward(self, x):
         self.calls += 1
         time.sleep(0.1)
+        if self.calls == 2 and self.until is not None:
+            self.until.wait(10)
         return x
 
 
@@ -269,20 +274,22 @@ class Refuse(nn.Module):
         raise RuntimeError("refused")
 
 
-EARLY_STOP_REPEATS = 8
-
-
-def _early_stop(layout: str, repeats: int) -> None:
+def _early_stop(layout: str, repeats: int, wait_for_failure: bool) -> None:
     """torchgpipe's early-stop test in eval_step: a stage raises on micro-batch 0 while the one
     before it takes 0.1 s per micro-batch, 3 micro-batches; the earlier stage must stop
     before its third. "two-stages": the earlier stage is the first, which never waits on a
-    receive; "torchgpipe": its layout, [Pass, Pass, Sleepy, Refuse]."""
+    receive; "torchgpipe": its layout, [Pass, Pass, Sleepy, Refuse]. ``wait_for_failure``
+    makes the earlier stage's second forward last until the pipeline knows of the failure:
+    then it must stop, whatever the machine's load; without, the failing stage's thread must
+    get a processor within 0.1 s, as in torchgpipe's test."""
     for _ in range(repeats):
         sleepy = Sleepy()
         layers = [sleepy, Refuse()] if layout == "two-stages" else [
             nn.Identity(), nn.Identity(), sleepy, Refuse()
         ]
         pipe = pipeline(nn.Sequential(*layers), [1] * len(layers), chunks=3)
+        if wait_for_failure:
+            sleepy.until = pipe.transports[0].hub.aborted  # type: ignore[attr-defined]
         with pytest.raises(StageError, match="Refuse.*micro-batch 0 failed: RuntimeError: refused"):
             pipe.eval_step(torch.rand(3, 2))
         assert sleepy.calls < 3
@@ -290,13 +297,13 @@ def _early_stop(layout: str, repeats: int) -> None:
 
 @pytest.mark.parametrize("layout", ["two-stages", "torchgpipe"])
 def test_a_failure_stops_the_earlier_stages_at_once_in_eval(layout):
-    _early_stop(layout, EARLY_STOP_REPEATS)
+    _early_stop(layout, 3, wait_for_failure=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["two-stages", "torchgpipe"])
 def test_a_failure_stops_the_earlier_stages_at_once_in_eval_repeatedly(layout):
-    _early_stop(layout, 10 * EARLY_STOP_REPEATS)
+    _early_stop(layout, 50, wait_for_failure=False)
 
 
 def test_training_needs_an_optimizer_and_a_loss_function():
