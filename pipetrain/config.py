@@ -87,6 +87,20 @@ class PipelineConfig:
         """Whether the schedule never flushes between steps (PipeDream's family)."""
         return self.schedule in ASYNCHRONOUS
 
+    def check_trainable(self) -> None:
+        """Refuse to train without an optimizer (the weights would never change, silently) or
+        a loss function. Built without them, a pipeline still evaluates: that is legitimate,
+        so the refusal comes at the first train_step, not at construction."""
+        missing = [name for name, value in (("optimizer", self.optimizer),
+                                            ("loss_fn", self.loss_fn)) if value is None]
+        if missing:
+            raise ValueError(
+                f"train_step needs {' and '.join(missing)}, and this pipeline was built without: "
+                "pass Pipeline(..., loss_fn=torch.nn.functional.cross_entropy, "
+                "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)); without them a "
+                "pipeline can only evaluate (eval_step)"
+            )
+
     def check_planned_ranks(self, ranks: int, placed: bool) -> None:
         """Refuse to run a plan's virtual stages on other than its number of ranks, once the
         devices or processes are ``placed`` (known)."""
@@ -153,6 +167,7 @@ class PipelineConfig:
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
+        _check_loss_fn(loss_fn)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
@@ -188,6 +203,21 @@ def _from_plan(
     schedule = schedule or plan.schedule
     planned_ranks = plan.pipeline_ranks if schedule == plan.schedule else None
     return plan.balance, chunks, schedule, checkpoint or plan.checkpoint, planned_ranks
+
+
+def _check_loss_fn(loss_fn: object) -> None:
+    """Refuse a ``loss_fn`` that cannot be called on (output, target) now, not at the first
+    step inside the last stage."""
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, "
+            f"loss_fn={loss_fn.__name__}(), or a function of (output, target)"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be a function of (output, target) returning a scalar tensor, got "
+            f"{type(loss_fn).__name__}: e.g. loss_fn=torch.nn.functional.cross_entropy"
+        )
 
 
 def _check_asynchronous_options(

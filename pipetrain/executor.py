@@ -154,6 +154,8 @@ class Executor:
                 if position in self._arm_at:  # reduce gradients as this action makes them
                     for sync in self.stages[self._arm_at[position]].syncs:
                         sync.arm()
+                if action.kind in COMPUTE:
+                    self._check_peers(action)
                 start = time.perf_counter()
                 outgoing = HANDLERS[action.kind](self, action)
                 end = time.perf_counter()
@@ -177,6 +179,16 @@ class Executor:
             self.transport.abort(f"{self._where()} failed: {reason}")
             raise
         return self._outputs
+
+    def _check_peers(self, action: Action) -> None:
+        """Stop before ``action`` if another stage has stopped (see Transport.raise_if_stopped)."""
+        try:
+            self.transport.raise_if_stopped()
+        except PeerError as error:
+            raise PeerError(
+                f"{self._where()} stopped before action {self._position + 1} of "
+                f"{len(self.actions)} ({action}): {error}"
+            ) from error
 
     def _where(self) -> str:
         """The stage at work (and its rank when a rank holds several stages)."""

@@ -40,6 +40,7 @@ from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
+from pipetrain.stage_module import PipelineLayers
 from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.update import Update, learning_rate
@@ -141,10 +142,12 @@ class Pipeline:
     ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
 
     ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
-    builds its own. ``lr_scheduler`` (``lambda optimizer: ...``) builds one schedule per stage
-    optimizer, stepped after each of its steps. ``precision`` "bf16" or "fp16" runs each stage
-    under autocast and sends activations in that dtype; "fp16" adds a dynamic loss scale
-    (``pipe.scaler``) whose overflow check every rank agrees on (pipetrain/precision.py).
+    builds its own. ``loss_fn(output, target)`` returns the scalar loss. Without either the
+    pipeline evaluates (``eval_step``) but ``train_step`` refuses to run. ``lr_scheduler``
+    (``lambda optimizer: ...``) builds one schedule per stage optimizer, stepped after each of
+    its steps. ``precision`` "bf16" or "fp16" runs each stage under autocast and sends
+    activations in that dtype; "fp16" adds a dynamic loss scale (``pipe.scaler``) whose
+    overflow check every rank agrees on (pipetrain/precision.py).
     ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
     ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
     ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
@@ -214,6 +217,9 @@ class Pipeline:
             self._assemble_threads(parts, ties, devices, seeds)
         else:
             self._assemble_processes(model, parts, ties, group, replicas, seeds)
+        self._layers = PipelineLayers(
+            OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
+        )
         self._start_training(ties)
         logger.info(
             "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
@@ -358,6 +364,7 @@ class Pipeline:
         config = self.config
         self.scaler = LossScaler() if config.precision == "fp16" else None
         self._update: Update | None = None
+        self._late_steps = _late_steps(self.stages, ties)
         if config.clip_grad_norm is not None or self.scaler is not None:
             self._update = Update(
                 self.stages, config.clip_grad_norm, self.scaler,
@@ -404,9 +411,10 @@ class Pipeline:
 
     @property
     def module(self) -> nn.Sequential:
-        """This process's layers (all of them in single-process mode), keyed as in the model."""
-        layers = [(k, m) for stage in self.stages for k, m in stage.module.named_children()]
-        return nn.Sequential(OrderedDict(layers))
+        """This process's layers (all of them in single-process mode), keyed as in the model:
+        one object for the pipeline's life. It refuses hooks, which would never run there;
+        hooks on ``pipe.stages[i].module`` run once per micro-batch on stage i."""
+        return self._layers
 
     @property
     def num_stages(self) -> int:
@@ -423,6 +431,7 @@ class Pipeline:
         (computed with the weights each stage had, or was predicted to have, at its forward).
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
         that forward, not for the backwards behind it."""
+        self.config.check_trainable()
         _check_batches(x, y)
         batch = x if x is not None else y
         if self._unchecked_microbatch is not None and batch is not None:
@@ -444,6 +453,9 @@ class Pipeline:
             if self._update is not None:
                 self._update.begin()
             executors = self._run(self.schedule, x, y, True, self._report_loss)
+        if self._update is None:
+            for stage in self._late_steps:
+                stage.update()
         stepped = self._update.run() if self._update is not None else {"grad_norm": None}
         step_time = time.perf_counter() - start
         if self._loss is None:  # ranks without the last stage, and single-process mode
@@ -683,6 +695,21 @@ class Pipeline:
                 late = f"the loss of step {self.step + 1} did not arrive: {failure}"
                 raise type(failure)(late) from error
         return float(value)
+
+
+def _late_steps(stages: Sequence[Stage], ties: list[Tie]) -> list[Stage]:
+    """The stages that step a weight other stages of this process use too; each steps after
+    every list of this process is done (``defer_update``), so never before those stages'
+    last gradient work. With one thread per rank nothing else orders them: a zero-bubble
+    stage runs weight-gradient passes (W) after its input-gradient pass (B) has let the
+    previous stage finish, so the previous stage could step a shared weight while this one
+    still reads it and adds to its gradient."""
+    here = {stage.index: stage for stage in stages}
+    owners = {min(local) for _, users in ties if len(local := [s for s in users if s in here]) > 1}
+    late = [here[s] for s in sorted(owners)]
+    for stage in late:
+        stage.defer_update = True
+    return late
 
 
 def _check_batches(x: object, y: object) -> None:

@@ -12,7 +12,10 @@ seeded when the pipeline is built from seeds drawn from the global generator (so
 ``torch.manual_seed`` before building makes a run reproducible, in either mode). A stage's
 forward runs with its stream installed in the default generators, under one lock per process:
 the forwards of this process's stages take turns (their backwards, without recomputation, still
-overlap). The stream's state at the start of a recomputed micro-batch's forward is kept with
+overlap). An evaluation forward (``eval_step``, modules in eval mode, where dropout draws
+nothing) runs on the default generators as they are, without the lock, so the stages'
+evaluation forwards overlap and a stage waiting for its turn cannot run on after another stage
+failed. The stream's state at the start of a recomputed micro-batch's forward is kept with
 its checkpoint and installed again for each recomputation. The process's own generator states
 are put back after each, so draws outside the pipeline do not depend on its training.
 """

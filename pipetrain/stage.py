@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
@@ -25,6 +25,7 @@ from pipetrain.errors import StageError
 from pipetrain.memory import ActivationLedger
 from pipetrain.precision import autocast, to_boundary
 from pipetrain.rng import StageRng, State, draw_seeds
+from pipetrain.stage_module import Cuts, LayerRun, StageModule
 from pipetrain.weights import WeightVersions
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -78,9 +79,10 @@ _WeightWork = tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]
 class _Stashed:
     inputs: tuple[torch.Tensor, ...]  # leaves whose .grad goes back to the previous stage
     outputs: tuple[torch.Tensor, ...]  # what backward starts from (the scaled loss on the last)
-    # split backward: per layer with weights, (its output tensors, its weights); B fills in
-    # the output gradients and W backpropagates each layer from them to its weights alone
-    cuts: list[tuple[list[torch.Tensor], list[nn.Parameter]]] = field(default_factory=list)
+    # split backward: the layers' cuts (pipetrain/stage_module.py); B finds the gradients of
+    # their aliases and W backpropagates each layer from them to its weights alone. None: W
+    # backpropagates the stage's outputs (a recomputed micro-batch, or weights used twice)
+    cuts: Cuts | None = None
 
 
 class _Runner(nn.Module):
@@ -126,7 +128,8 @@ class Stage:
         asynchronous (pipetrain/weights.py), its losses divided by ``loss_divisor`` (default:
         the micro-batch count; 1 when every micro-batch is an update of its own, as in
         PipeDream)."""
-        self.module = module.to(device)
+        self.module = StageModule.of(module).to(device)  # hooks on it run (stage_module.py)
+        self._at = LayerRun()  # the layer at work, named if it fails
         self.rng = StageRng(draw_seeds(1)[0] if seed is None else seed, device)
         self.index, self.count, self.offset = index, count, offset
         self.device = device
@@ -155,8 +158,8 @@ class Stage:
         self._weights = [p for p in self.module.parameters() if p.requires_grad]
         per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in self.module]
         distinct = len({id(p) for p in self._weights}) == sum(len(ps) for ps in per_layer)
-        # W per layer from the layer's output gradient needs each weight in one layer only;
-        # else (and for recomputed micro-batches) W backpropagates the stage's outputs again.
+        # W per layer from its outputs' gradients needs each weight in one layer only; else
+        # (and for recomputed micro-batches) W backpropagates the stage's outputs again.
         self._layer_weights = per_layer if distinct else None
         self._weight_work: dict[int, list[_WeightWork]] = {}
         # Asynchronous schedules: which weights each micro-batch reads (pipetrain/weights.py).
@@ -208,9 +211,10 @@ class Stage:
 
     def _forward_step(self) -> str:
         """The failed part of a forward: the layer it was in, or the loss."""
-        if self._layer < len(self.module):
-            layer = self.module[self._layer]
-            return f"layer {self.offset + self._layer} ({type(layer).__name__}), forward"
+        position = self._at.position
+        if position < len(self.module):
+            layer = self.module[position]
+            return f"layer {self.offset + position} ({type(layer).__name__}), forward"
         return "loss_fn, forward"
 
     @property
@@ -221,17 +225,6 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
-    def _run_layers(self, value: object, cuts: list | None = None) -> object:
-        """The slice's output; with ``cuts``, note each weighted layer's output there."""
-        for position, layer in enumerate(self.module):
-            self._layer = position  # names the culprit if a layer raises
-            value = layer(value)
-            if cuts is not None and self._layer_weights and self._layer_weights[position]:
-                tensors = value if isinstance(value, tuple | list) else (value,)
-                grads = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
-                cuts.append((grads, self._layer_weights[position]))
-        return value
-
     def forward(
         self,
         microbatch: int,
@@ -241,14 +234,14 @@ class Stage:
         chunks: int = 1,
         training: bool = True,
     ) -> object:
-        """Run the slice on ``value`` (built from ``inputs``) on the stage's random stream;
-        return its output. In training, stash what backward needs; on the last stage compute
+        """Run the slice on ``value`` (built from ``inputs``); return its output. In training,
+        on the stage's random stream, stash what backward needs and on the last stage compute
         the loss against ``target``."""
-        self._layer = 0
+        self._at.position = 0
+        if not training:  # eval mode draws nothing: no stream, no turn to wait for (rng.py)
+            with self._reporting(self._forward_step, microbatch), torch.no_grad():
+                return self._run_and_score(value, None, score=False)
         with self._reporting(self._forward_step, microbatch), self.rng.forward() as start:
-            if not training:
-                with torch.no_grad():
-                    return self._run_and_score(value, None, score=False)
             output, cuts = self._train_forward(microbatch, inputs, value, target, chunks, start)
         if self.is_last:
             loss = cast(torch.Tensor, output)
@@ -258,7 +251,7 @@ class Stage:
             saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
         if self.versions is not None and self.versions.recomputes:
             saved = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in saved)
-        self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
+        self._stash[microbatch] = _Stashed(inputs, saved, cuts)
         return output
 
     def _train_forward(
@@ -269,13 +262,15 @@ class Stage:
         target: object,
         chunks: int,
         start: State,
-    ) -> tuple[object, list | None]:
+    ) -> tuple[object, Cuts | None]:
         """A training forward's output and, for a split backward, its layers' cuts. ``start``
         is the random stream's state at its start, which a recomputation replays."""
         # On the last stage the loss is part of the (possibly recomputed) work, so a
         # checkpointed micro-batch keeps nothing but its inputs.
         recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
-        cuts: list | None = [] if self.split_backward and not recomputed else None
+        cuts = None
+        if self.split_backward and not recomputed and self._layer_weights is not None:
+            cuts = Cuts(self._layer_weights)
         work: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
         versions = self.versions
         if versions is not None:  # asynchronous: the weights this micro-batch reads
@@ -297,12 +292,17 @@ class Stage:
         return output, cuts
 
     def _run_and_score(
-        self, value: object, target: object, cuts: list | None = None, score: bool = True
+        self, value: object, target: object, cuts: Cuts | None = None, score: bool = True
     ) -> object:
         """The slice's output (in the autocast dtype, for the next stage), or on the last stage
-        its loss against ``target`` (``score=False``: its output)."""
+        its loss against ``target`` (``score=False``: its output). ``cuts`` collects a split
+        backward's cuts."""
         with autocast(self.device, self.autocast_dtype, cache=self._autocast_cache):
-            output = self._run_layers(value, cuts)
+            self._at.cuts = cuts
+            try:
+                output = self.module(value, run=self._at)
+            finally:
+                self._at.cuts = None
             if self.is_last:
                 return self._loss(output, target) if score else output
         return to_boundary(output, self.autocast_dtype)
@@ -310,7 +310,7 @@ class Stage:
     def _loss(self, output: object, target: object) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("training needs loss_fn: pass Pipeline(..., loss_fn=...)")
-        self._layer = len(self.module)  # past the last layer: the loss is to blame
+        self._at.position = len(self.module)  # past the last layer: the loss is to blame
         loss = self.loss_fn(output, target)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
@@ -405,22 +405,24 @@ class Stage:
         grads: list[torch.Tensor],
         wanted: list[torch.Tensor],
     ) -> list[torch.Tensor | None]:
-        """B of a split backward: the inputs' gradients and, in the same pass, those of each
-        weighted layer's outputs (no weight gradient is computed); W's work is kept."""
-        cut = [t for tensors, _ in stashed.cuts for t in tensors]
-        found: list[torch.Tensor | None] = [None] * (len(wanted) + len(cut))
-        if outputs and (wanted or cut):
+        """B of a split backward: the inputs' gradients and, in the same pass, those of the
+        aliases of each cut (no weight gradient is computed); W's work is kept."""
+        cuts = stashed.cuts if stashed.cuts is not None and stashed.cuts.whole else None
+        aliases = [a for cut in cuts.layers for a in cut.aliases] if cuts else []
+        found: list[torch.Tensor | None] = [None] * (len(wanted) + len(aliases))
+        if outputs and (wanted or aliases):
             found = list(torch.autograd.grad(
-                outputs, wanted + cut, grads, retain_graph=True, allow_unused=True
+                outputs, wanted + aliases, grads, retain_graph=True, allow_unused=True
             ))
         work: list[_WeightWork] = []
-        if stashed.cuts:
+        if cuts is not None:
             at = len(wanted)
-            for tensors, weights in stashed.cuts:
-                pairs = [(t, g) for t, g in zip(tensors, found[at:], strict=False) if g is not None]
-                at += len(tensors)
+            for cut in cuts.layers:
+                got = found[at : at + len(cut.aliases)]
+                at += len(cut.aliases)
+                pairs = [(t, g) for t, g in zip(cut.outputs, got, strict=True) if g is not None]
                 if pairs:
-                    work.append(([t for t, _ in pairs], [g for _, g in pairs], weights))
+                    work.append(([t for t, _ in pairs], [g for _, g in pairs], cut.weights))
         elif outputs and self._weights:
             work.append((outputs, grads, self._weights))
         self._weight_work[microbatch] = work

@@ -61,6 +61,11 @@ class Transport(ABC):
     def failure(self) -> str | None:
         """The reason recorded by whichever stage aborted first, if any."""
 
+    @abstractmethod
+    def raise_if_stopped(self) -> None:
+        """Raise PeerError if another stage is known to have stopped (checked before each
+        compute, so a stage that never waits stops too)."""
+
 
 class _DistributedHandle(Handle):
     def __init__(self, works: list, tensors: list[torch.Tensor], transport: DistributedTransport):
@@ -140,6 +145,10 @@ class DistributedTransport(Transport):
         if first:  # the root cause: the others stop because of it
             self._await_acknowledgements()
         dist.destroy_process_group(self.group)
+
+    def raise_if_stopped(self) -> None:
+        """Checks nothing: asking the store would cost a round trip per action; a peer's
+        failure shows at this rank's next wait instead."""
 
     def _close_links(self) -> None:
         """Close this rank's link to every peer of the group, so their waits on it fail now."""
@@ -339,3 +348,9 @@ class LocalTransport(Transport):
 
     def failure(self) -> str | None:
         return self.hub.reason
+
+    def raise_if_stopped(self) -> None:
+        """The hub's abort flag, set the moment any stage of this process fails: a stage that
+        never waits (the first, in an evaluation) stops before its next compute too."""
+        if self.hub.aborted.is_set():
+            raise PeerError(self.hub.reason or "another stage stopped")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from examples.models import gpt
+from examples.models import CausalSelfAttention, Embedding, Head, gpt
 
 
 class Fork(nn.Module):
@@ -68,13 +68,15 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def reference(model: nn.Sequential, data, optimizer=sgd) -> tuple[dict, list[float]]:
+def reference(
+    model: nn.Sequential, data, optimizer=sgd, loss_fn=nn.functional.cross_entropy
+) -> tuple[dict, list[float]]:
     """Plain single-process training: the state_dict after the steps, and each step's loss."""
     opt = optimizer(model.parameters())
     losses = []
     for x, y in data:
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -147,3 +149,122 @@ def amplified_mlp() -> tuple[nn.Sequential, GradientAmplifier]:
     body = mlp()
     amplifier = GradientAmplifier()
     return nn.Sequential(body[0], amplifier, *body[1:]), amplifier
+
+
+# -- layers whose outputs share a path, and weights shared by stages (zero bubble's pitfalls) --
+
+
+class Branch(nn.Module):
+    """A layer with weights returning a tensor and a function of it, ``(tanh(h), h)`` with
+    ``h = Linear(x)``: the shape of a residual branch that crosses a layer boundary."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.linear(x)
+        return torch.tanh(h), h
+
+
+class Merge(nn.Module):
+    """Adds the members of a pair back into one tensor."""
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+class Keep(nn.Module):
+    """A layer with weights that returns its input too: ``(x, Linear(x))``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.linear(x)
+
+
+class Halves(nn.Module):
+    """A layer with weights whose outputs are views: ``Linear(x)`` cut in two halves."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).chunk(2, dim=-1)
+
+
+def branchy(width: int = 12, classes: int = 5, seed: int = 0) -> nn.Sequential:
+    """10 layers whose outputs share paths: a tensor and its tanh, a layer passing its input
+    on, a ReLU modifying a layer's output in place, and outputs that are views."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(width, width), Branch(width), Merge(), Keep(width), Merge(),
+        nn.Linear(width, width), nn.ReLU(inplace=True), Halves(width), Merge(),
+        nn.Linear(width, classes),
+    )
+
+
+class SharedAffine(nn.Module):
+    """``x * scale + bias`` with a scale and a bias that other layers may share."""
+
+    def __init__(self, scale: nn.Parameter, bias: nn.Parameter):
+        super().__init__()
+        self.scale, self.bias = scale, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.bias
+
+
+def shared_affine(stages: int, width: int = 12, classes: int = 5, seed: int = 0) -> nn.Sequential:
+    """``stages`` pairs [Linear, SharedAffine], every SharedAffine with the same scale and bias,
+    then a Linear to ``classes``: balance [2, ..., 2, 3] puts one SharedAffine on each stage."""
+    torch.manual_seed(seed)
+    scale, bias = nn.Parameter(1 + 0.1 * torch.randn(width)), nn.Parameter(torch.randn(width))
+    layers: list[nn.Module] = []
+    for _ in range(stages):
+        layers += [nn.Linear(width, width), SharedAffine(scale, bias)]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+class Attending(nn.Module):
+    """A pre-norm transformer block's first half: ``r = x + attention(norm1(x))``, returned
+    with ``norm2(r)``, its MLP's input. The residual stream and a function of it cross the
+    boundary to :class:`Mixing`."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = CausalSelfAttention(dim, heads)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = x + self.attention(self.norm1(x))
+        return r, self.norm2(r)
+
+
+class Mixing(nn.Module):
+    """The block's second half: ``r + mlp(norm2(r))``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        r, normed = pair
+        return r + self.mlp(normed)
+
+
+def residual_gpt(vocab: int = 32, dim: int = 16, blocks: int = 3, heads: int = 2,
+                 context: int = 8, seed: int = 0) -> nn.Sequential:
+    """The example GPT with each block cut in two layers (:class:`Attending`,
+    :class:`Mixing`) so that its residual stream crosses layer (and stage) boundaries: 8
+    layers with 3 blocks, the head tied to the embedding. Reads :func:`text_batches`."""
+    torch.manual_seed(seed)
+    embedding = Embedding(vocab, dim, context)
+    layers: list[nn.Module] = [embedding]
+    for _ in range(blocks):
+        layers += [Attending(dim, heads), Mixing(dim)]
+    layers.append(Head(embedding))
+    return nn.Sequential(*layers)

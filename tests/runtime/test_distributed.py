@@ -83,8 +83,10 @@ def runs(request):
     return world, values(run_ranks(_every_config, world, deadline=240))
 
 
-def assert_trains_like_one_process(per_rank: list[dict], model: nn.Sequential, data) -> None:
-    expected_state, expected_losses = reference(copy.deepcopy(model), data)
+def assert_trains_like_one_process(
+    per_rank: list[dict], model: nn.Sequential, data, loss_fn=nn.functional.cross_entropy
+) -> None:
+    expected_state, expected_losses = reference(copy.deepcopy(model), data, loss_fn=loss_fn)
     seen = set()
     for result in per_rank:
         for key, value in result["state"].items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -249,3 +250,73 @@ def test_a_non_positive_timeout_and_an_empty_batch_are_refused():
     for timeout, empty in values(run_ranks(_bad_input, 2, deadline=60)):
         assert "timeout must be a positive number of seconds" in timeout and "-1" in timeout
         assert "empty batch (batch size 0)" in empty
+
+
+class Sleepy(nn.Module):
+    """Counts its calls and takes 0.1 s over each; with ``until`` (an Event), its second call
+    also waits for it (at most 10 s), to be still busy when a later stage fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.until: threading.Event | None = None
+
+    def forward(self, x):
+        self.calls += 1
+        time.sleep(0.1)
+        if self.calls == 2 and self.until is not None:
+            self.until.wait(10)
+        return x
+
+
+class Refuse(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("refused")
+
+
+def _early_stop(layout: str, repeats: int, wait_for_failure: bool) -> None:
+    """torchgpipe's early-stop test in eval_step: a stage raises on micro-batch 0 while the one
+    before it takes 0.1 s per micro-batch, 3 micro-batches; the earlier stage must stop
+    before its third. "two-stages": the earlier stage is the first, which never waits on a
+    receive; "torchgpipe": its layout, [Pass, Pass, Sleepy, Refuse]. ``wait_for_failure``
+    makes the earlier stage's second forward last until the pipeline knows of the failure:
+    then it must stop, whatever the machine's load; without, the failing stage's thread must
+    get a processor within 0.1 s, as in torchgpipe's test."""
+    for _ in range(repeats):
+        sleepy = Sleepy()
+        layers = [sleepy, Refuse()] if layout == "two-stages" else [
+            nn.Identity(), nn.Identity(), sleepy, Refuse()
+        ]
+        pipe = pipeline(nn.Sequential(*layers), [1] * len(layers), chunks=3)
+        if wait_for_failure:
+            sleepy.until = pipe.transports[0].hub.aborted  # type: ignore[attr-defined]
+        with pytest.raises(StageError, match="Refuse.*micro-batch 0 failed: RuntimeError: refused"):
+            pipe.eval_step(torch.rand(3, 2))
+        assert sleepy.calls < 3
+
+
+@pytest.mark.parametrize("layout", ["two-stages", "torchgpipe"])
+def test_a_failure_stops_the_earlier_stages_at_once_in_eval(layout):
+    _early_stop(layout, 3, wait_for_failure=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["two-stages", "torchgpipe"])
+def test_a_failure_stops_the_earlier_stages_at_once_in_eval_repeatedly(layout):
+    _early_stop(layout, 50, wait_for_failure=False)
+
+
+def test_training_needs_an_optimizer_and_a_loss_function():
+    """Without an optimizer the weights would never change, silently: train_step refuses.
+    Evaluation needs neither, so the pipeline is built. A loss_fn that cannot be called on
+    (output, target) is refused at construction."""
+    x, y = batches(1)[0]
+    for missing in ("optimizer", "loss_fn"):
+        pipe = pipeline(mlp(), [6, 6], **{missing: None})
+        assert pipe.eval_step(x).shape == (24, 5)
+        with pytest.raises(ValueError, match=f"train_step needs {missing}, .*pass Pipeline"):
+            pipe.train_step(x, y)
+    with pytest.raises(TypeError, match=r"class CrossEntropyLoss.*loss_fn=CrossEntropyLoss\(\)"):
+        pipeline(mlp(), [6, 6], loss_fn=nn.CrossEntropyLoss)
+    with pytest.raises(TypeError, match="loss_fn must be a function of"):
+        pipeline(mlp(), [6, 6], loss_fn="cross_entropy")

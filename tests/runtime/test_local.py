@@ -116,3 +116,36 @@ def test_checkpoint_default_follows_the_schedule():
     plan = make_plan(measured, stages=2, microbatches=4, schedule="gpipe", checkpoint="always")
     assert kept("gpipe", plan.balance, plan=plan)[0] == "always"
     assert kept("gpipe", plan.balance, plan=plan, checkpoint="never")[0] == "never"
+
+
+def test_hooks_on_a_stage_module_run_and_pipe_module_refuses_them():
+    """Forward (pre-)hooks on ``pipe.stages[i].module`` run once per micro-batch, in training
+    and in evaluation, and an output a hook returns is what the stage goes on with, as on any
+    module. ``pipe.module`` is one object for the pipeline's life; it refuses hooks, which
+    would never run there."""
+    model = mlp()
+    pipe = pipeline(copy.deepcopy(model), [6, 6], chunks=4)
+    seen: list[tuple[str, int]] = []
+    pipe.stages[1].module.register_forward_pre_hook(
+        lambda module, args: seen.append(("stage 1 in", len(args[0])))
+    )
+
+    def double(module, args, output):
+        seen.append(("stage 0 out", len(output)))
+        return 2 * output
+
+    pipe.stages[0].module.register_forward_hook(double)
+    x, y = batches(1)[0]
+    pipe.train_step(x, y)
+    assert sorted(seen) == sorted([("stage 0 out", 6), ("stage 1 in", 6)] * 4)
+    seen.clear()
+    trained = copy.deepcopy(pipe.module).eval()
+    with torch.no_grad():
+        expected = trained[6:](2 * trained[:6](x))
+    assert (pipe.eval_step(x) - expected).abs().max().item() <= TOLERANCE
+    assert sorted(seen) == sorted([("stage 0 out", 6), ("stage 1 in", 6)] * 4)
+    assert pipe.module is pipe.module
+    with pytest.raises(RuntimeError, match=r"never run.*register it on pipe.stages\[i\].module"):
+        pipe.module.register_forward_hook(double)
+    with pytest.raises(RuntimeError, match="never run"):
+        pipe.module.register_full_backward_hook(lambda *args: None)
