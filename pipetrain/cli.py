@@ -243,10 +243,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def describe_plan(plan: Plan) -> str:
     """The plan as printed by ``pipetrain plan``: a summary line and :meth:`Plan.table`."""
     layers = sum(plan.balance)
+    recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
     head = (
         f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
         f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
-        f"{plan.checkpoint}, solver {plan.solver}; profiled on {plan.device}"
+        f"{plan.checkpoint} (recomputing on stages {recomputing or 'none'}), solver "
+        f"{plan.solver}; profiled on {plan.device}"
     )
     return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
 
@@ -291,7 +293,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             virtual_stages=args.virtual_stages,
         )
     except InfeasibleError as error:
-        message = " ".join(str(error).split())
+        message = " ".join(error.for_command_line().split())
         if error.smallest_cap is not None:
             cap = error.smallest_cap
             message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
@@ -405,7 +407,7 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
         f"{'busy ms':>9} {'bubble':>7} {'peak in-flight':>14}"
     )
     if c.memory is not None:
-        header += f" {'memory GiB':>10}"
+        header += f" {'memory':>11}"
     rows = [header]
     start = 0
     ranks = len(result.busy)  # fewer than the stages under "interleaved"
@@ -418,7 +420,7 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
             f"{result.peak_inflight[rank]:>14}"
         )
         if c.memory is not None:
-            row += f" {c.memory[t] / 2**30:>10.3f}"
+            row += f" {format_bytes(c.memory[t]):>11}"
         rows.append(row)
         start += count
     rows.append(
@@ -526,12 +528,6 @@ def _add_planning_options(p: argparse.ArgumentParser) -> None:
         help="samples per micro-batch; times scale linearly from the profile's batch "
         "(default: the profile's batch size)",
     )
-    p.add_argument(
-        "--checkpoint",
-        default="never",
-        choices=["never", "always"],
-        help="activation checkpointing of every micro-batch (default: never)",
-    )
     p.add_argument("--bandwidth", help="between consecutive stages, e.g. 25GB/s or 100Gbit/s")
     p.add_argument(
         "--cores",
@@ -624,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices in all (more than --stages replicates stages in data parallel)",
     )
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        choices=["never", "auto", "always"],
+        help="activation recomputation: auto (default) recomputes on the stages whose memory "
+        "cap needs it, always on every stage, never on none",
+    )
     _add_planning_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=cmd_plan)
@@ -640,6 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int)
     p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
     p.add_argument("--png", help="draw the simulated timeline here (needs matplotlib)")
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=["never", "always"],
+        help="for a profile: every stage recomputes its activations in backward, or none "
+        "(default: never)",
+    )
     _add_planning_options(p)
     p.set_defaults(run=cmd_simulate)
 
