@@ -98,10 +98,12 @@ class Pipeline:
     """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
 
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
-    micro-batch count and checkpoint mode unless those are passed too; a plan made for another
-    model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
-    schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
-    ``checkpoint`` holds the mode in force, ``config`` every option as resolved
+    micro-batch count and each stage's checkpoint mode unless those are passed too; a plan made
+    for another model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation
+    recomputation as the schedule needs it (``stage.default_checkpoint``: "except_last" under
+    "gpipe", else "never"). ``checkpoint`` takes one mode for every stage or a list of one per
+    stage (as a plan made under a memory cap may choose); the attribute ``checkpoint`` holds the
+    mode in force (a tuple when stages differ), ``config`` every option as resolved
     (pipetrain/config.py).
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
@@ -157,7 +159,7 @@ class Pipeline:
         plan: str | os.PathLike | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
-        checkpoint: str | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         loss_fn: LossFn | None = None,
         optimizer: OptimizerFactory | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -311,7 +313,8 @@ class Pipeline:
             )
         return Stage(
             module=module, index=index, count=len(parts), offset=offset, device=device,
-            optimizer=config.optimizer, loss_fn=config.loss_fn, checkpoint=config.checkpoint,
+            optimizer=config.optimizer, loss_fn=config.loss_fn,
+            checkpoint=config.stage_checkpoint(index),
             track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
             split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
             autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
