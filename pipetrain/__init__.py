@@ -14,6 +14,7 @@ from pipetrain.errors import (
 )
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+from pipetrain.progress import Progress
 from pipetrain.weights import PredictionError
 
 try:
@@ -29,6 +30,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PredictionError",
+    "Progress",
     "StageError",
     "__version__",
     "consolidate",

@@ -16,6 +16,7 @@ from torch import nn
 from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.planning import load_plan
+from pipetrain.progress import Progress, progress_option
 from pipetrain.stage import (
     LossFn,
     OptimizerFactory,
@@ -74,7 +75,7 @@ class PipelineConfig:
     deferred_batch_norm: bool
     track_memory: bool
     trace: str | os.PathLike | None
-    progress: bool | int
+    progress: Progress | None
     checkpoint_dir: str | os.PathLike | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
@@ -115,7 +116,7 @@ class PipelineConfig:
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
         trace: str | os.PathLike | None = None,
-        progress: bool | int = False,
+        progress: bool | Progress = False,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
@@ -163,7 +164,8 @@ class PipelineConfig:
             clip_grad_norm=clip_grad_norm, weight_stashing=weight_stashing,
             weight_prediction=weight_prediction, compensation=compensation,
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
-            trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
+            trace=trace or os.environ.get("PIPETRAIN_TRACE") or None,
+            progress=progress_option(progress),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks,
         )
