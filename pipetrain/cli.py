@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,11 +179,16 @@ def _sample_input(shape: list[int], dtype_name: str, high: int | None, seed: int
 
 
 def _profile_table(profile: Profile) -> str:
-    rows = [f"{'layer':<28} {'forward ms':>10} {'backward ms':>11} {'output':>11} {'params':>11}"]
-    for layer in profile.layers:
+    rows = [
+        f"{'layer':<28} {'forward ms':>10} {'backward ms':>11} {'spread':>7} {'output':>11} "
+        f"{'params':>11}"
+    ]
+    noisy = set(profile.noisy())
+    for i, layer in enumerate(profile.layers):
         rows.append(
             f"{layer.name:<28} {_ms(layer.forward):>10} {_ms(layer.backward):>11} "
-            f"{format_bytes(layer.activation_bytes):>11} {layer.param_count:>11,}"
+            f"{layer.spread:>7.0%} {format_bytes(layer.activation_bytes):>11} "
+            f"{layer.param_count:>11,}" + (" noisy" if i in noisy else "")
         )
     total = sum(layer.forward + layer.backward for layer in profile.layers)
     rows.append(
@@ -190,6 +196,19 @@ def _profile_table(profile: Profile) -> str:
         f"{total * 1e3:.3f} ms on {profile.device}"
     )
     return "\n".join(rows)
+
+
+def _cores() -> int:
+    """The processors this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _threads_per_rank(ranks_per_node: int) -> int:
+    """What one of ``ranks_per_node`` training ranks gets of this machine's cores (as
+    ``pipetrain.distributed.pin_to_cores`` slices them)."""
+    if ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be at least 1, got {ranks_per_node}")
+    return max(1, _cores() // ranks_per_node)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -205,10 +224,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from pipetrain.profiler import profile
+    from pipetrain.profiler import ProfileNoiseWarning, noise_message, profile
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or _threads_per_rank(args.ranks_per_node)
+    torch.set_num_threads(threads)
     try:
         model = factory(**kwargs)
     except Exception as error:
@@ -219,18 +238,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.model} returned a {type(model).__name__}, not an nn.Sequential")
     sample = _sample_input(shape, args.input_dtype, args.input_high, args.seed)
     try:
-        result = profile(
-            model,
-            sample,
-            optimizer=args.optimizer,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            device=args.device,
-        )
+        with warnings.catch_warnings():  # said below, in flags
+            warnings.simplefilter("ignore", ProfileNoiseWarning)
+            result = profile(
+                model,
+                sample,
+                optimizer=args.optimizer,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                device=args.device,
+            )
     except (ValueError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(f"profiling failed: {message}") from None
     print(_profile_table(result))
+    print(
+        f"{threads} torch threads"
+        + ("" if args.threads else f" (the {_cores()} cores / --ranks-per-node "
+           f"{args.ranks_per_node}: what a rank of training gets; --threads to change)")
+    )
+    said = noise_message(
+        result, args.repeats, f"more repeats (--repeats {max(2 * args.repeats, 10)})",
+        "fewer --threads" if threads > 1 else "other ranks' work stopped",
+    )
+    if said is not None:
+        print(f"{PROG} profile: warning: {said}", file=sys.stderr)
     if args.output:
         _save(result.to_json(), args.output)
         print(f"wrote {args.output}")
@@ -587,7 +619,19 @@ def _add_profile_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median; 5)")
     p.add_argument("--device", help="e.g. cuda:0 (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch threads (profile as you will train)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: the cores / --ranks-per-node, what each rank of training "
+        "gets)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        help="training ranks (stages) that will share this machine, for the default --threads "
+        "(default: $LOCAL_WORLD_SIZE, else 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("-o", "--output", help="write the profile JSON here")
     p.set_defaults(run=cmd_profile)
