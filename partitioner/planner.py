@@ -55,11 +55,9 @@ def plan(
     stage), an int >= ``stages`` (identical devices; stages may be replicated) or a device graph
     from :mod:`partitioner.topology` with one device per stage (identical devices: DP with every
     link's own bandwidth; unlike devices: integer program). ``microbatch_size`` defaults to the
-    profile's batch size. ``checkpoint``: "auto" (default) lets each stage recompute its
-    activations in backward only where the memory cap needs it (recomputing costs a forward
-    more), "always" makes every stage recompute, "never" none; ``Plan.recompute`` lists each
-    stage's choice. Raises InfeasibleError when nothing fits, naming the cap that would and
-    the ways out.
+    profile's batch size. ``checkpoint="auto"`` recomputes activations only on the stages
+    whose memory cap needs it ("always": every stage, "never": none; ``Plan.checkpoints``).
+    Raises InfeasibleError when nothing fits, naming the cap that would and the ways out.
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -102,11 +100,7 @@ def plan(
         bandwidth=links,
         devices=count,
     )
-    try:
-        split = solve_ilp(problem) if use_ilp else solve(problem)
-    except InfeasibleError as error:
-        remedies = _remedies(problem, schedule, checkpoint, error.smallest_cap is not None)
-        raise InfeasibleError(error.reason, error.smallest_cap, remedies) from None
+    split = _solve(problem, use_ilp, schedule, checkpoint)
     if interleaved:
         ranks = [[t % (stages // virtual_stages)] for t in range(stages)]
         _check_rank_memory(split.stages, ranks, cap)
@@ -134,6 +128,15 @@ def _on_graph(
     speed = [speed_of(devices, r) for r in order]
     caps = [_min_cap(cap, memory_of(devices, r)) for r in order]
     return speed, caps, link_bandwidths(devices, order), [[r] for r in order]
+
+
+def _solve(problem: Problem, use_ilp: bool, schedule: str, checkpoint: str) -> Split:
+    """The best split by the DP or the integer program; if none fits, the ways out."""
+    try:
+        return solve_ilp(problem) if use_ilp else solve(problem)
+    except InfeasibleError as error:
+        remedies = _remedies(problem, schedule, checkpoint, error.smallest_cap is not None)
+        raise InfeasibleError(error.reason, error.smallest_cap, remedies) from None
 
 
 def _remedies(problem: Problem, schedule: str, checkpoint: str, memory: bool) -> list[Remedy]:

@@ -511,7 +511,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _need_matplotlib("pass --no-png")
     result = report(args.folder, png=not args.no_png, step=args.step)
     print(
-        f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
+        f"{result['ranks']} ranks, {result['steps']} steps traced (0..{result['steps'] - 1}); "
+        f"step {result['step']}: measured "
         f"bubble {result['measured_bubble']:.1%}, simulated {result['simulated_bubble']:.1%} "
         "(the simulated twin: the schedule timed with this step's measured compute, runtime "
         "overhead, message latency and the ranks' entry times)"
@@ -637,15 +638,8 @@ def _add_profile_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=cmd_profile)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    _add_profile_command(sub)
-
+def _add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """``pipetrain plan``: its arguments."""
     p = sub.add_parser(
         "plan",
         help="split a profiled model into pipeline stages",
@@ -674,6 +668,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_planning_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_profile_command(sub)
+    _add_plan_command(sub)
 
     p = sub.add_parser(
         "simulate",

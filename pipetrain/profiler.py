@@ -276,7 +276,6 @@ def profile(
         raise ValueError("the sample input's batch (dimension 0) is empty")
     value = _map(sample_input, lambda t: t.to(where))
     names, counts = layer_signature(model)
-    state_factor = OPTIMIZER_STATE[optimizer]
     runs: list[_LayerRun] = []
     with _preserved(model, where), torch.enable_grad():
         model.train()
@@ -294,6 +293,25 @@ def profile(
         for sweep in range(1, warmup + repeats):
             for run in runs:
                 run.run(where, record=sweep >= warmup)
+    result = Profile(
+        device=device_name(where),
+        batch_size=batch_size,
+        layers=_layer_costs(runs, counts, outputs, OPTIMIZER_STATE[optimizer]),
+        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+    )
+    more = max(2 * repeats, 10)
+    said = noise_message(
+        result, repeats, f"more repeats (repeats={more})", "fewer threads (torch.set_num_threads)"
+    )
+    if said is not None:
+        warnings.warn(said, ProfileNoiseWarning, stacklevel=2)
+    return result
+
+
+def _layer_costs(
+    runs: list[_LayerRun], counts: list[int], outputs: list[int], state_factor: int
+) -> list[LayerCost]:
+    """Each timed layer's costs: median times, their spread, output and weight bytes."""
     layers = []
     for run, count, size in zip(runs, counts, outputs, strict=True):
         params = list(run.layer.parameters())
@@ -311,16 +329,4 @@ def profile(
                 spread=spread([f + b for f, b in zip(run.forward, run.backward, strict=True)]),
             )
         )
-    result = Profile(
-        device=device_name(where),
-        batch_size=batch_size,
-        layers=layers,
-        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
-    )
-    more = max(2 * repeats, 10)
-    said = noise_message(
-        result, repeats, f"more repeats (repeats={more})", "fewer threads (torch.set_num_threads)"
-    )
-    if said is not None:
-        warnings.warn(said, ProfileNoiseWarning, stacklevel=2)
-    return result
+    return layers
