@@ -108,10 +108,9 @@ def plan(
         first = [sum(split.replicas[:t]) for t in range(stages)]
         ranks = [list(range(a, a + r)) for a, r in zip(first, split.replicas, strict=True)]
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    host = Host(cores, overhead)
     return _make_plan(
-        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host,
-        virtual_stages,
+        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
+        Host(cores, overhead), virtual_stages,
     )
 
 
