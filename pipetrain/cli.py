@@ -276,10 +276,11 @@ def describe_plan(plan: Plan) -> str:
     """The plan as printed by ``pipetrain plan``: a summary line and :meth:`Plan.table`."""
     layers = sum(plan.balance)
     recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
+    said = f"recomputing on stages {recomputing}" if recomputing else "no stage recomputes"
     head = (
         f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
         f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
-        f"{plan.checkpoint} (recomputing on stages {recomputing or 'none'}), solver "
+        f"{plan.checkpoint} ({said}), solver "
         f"{plan.solver}; profiled on {plan.device}"
     )
     return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
@@ -710,7 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
         "FOLDER/timeline.png (the measured step above its simulated twin).",
     )
     p.add_argument("folder")
-    p.add_argument("--step", type=int, default=-1, help="which step to draw (default: the last)")
+    p.add_argument(
+        "--step", type=int, default=-1, help="which traced step to draw, from 0 (-1: the last)"
+    )
     p.add_argument("--no-png", action="store_true", help="skip the picture")
     p.set_defaults(run=cmd_trace)
 
