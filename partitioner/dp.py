@@ -392,6 +392,8 @@ def solve(problem: Problem) -> Split:
     the least bottleneck; otherwise each stage of the chosen split recomputes only if it does
     not fit its memory cap keeping its activations. Raises InfeasibleError (with
     ``smallest_cap``) if no split fits the memory caps."""
+    if problem.checkpoint == "auto" and all(cap is None for cap in problem.memory):
+        problem = replace(problem, checkpoint="never")  # no cap: recomputing only costs time
     sweep = _Sweep(problem)
     if sweep.probe(math.inf, None, device_caps=False) is None:
         raise _structure_error(problem)

@@ -116,6 +116,8 @@ def solve_ilp(problem: Problem, time_limit: float | None = None) -> Split:
     """The least-bottleneck split of ``problem`` (one device per stage) by integer programming."""
     if problem.devices != problem.stages:
         raise ValueError("the integer program places one device per stage; use the DP to replicate")
+    if problem.checkpoint == "auto" and all(cap is None for cap in problem.memory):
+        problem = replace(problem, checkpoint="never")  # no cap: recomputing only costs time
     n, s = problem.layers, problem.stages
     cuts = [p for p in range(1, n) if problem.allowed[p]]
     if len(cuts) < s - 1:
