@@ -15,6 +15,7 @@ from partitioner.errors import (
     PlanMismatchError,
     PlannerError,
     ProfileError,
+    Remedy,
 )
 from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Boundary, LayerCost, Profile
@@ -60,6 +61,7 @@ __all__ = [
     "Problem",
     "Profile",
     "ProfileError",
+    "Remedy",
     "Split",
     "StagePlan",
     "balance",

@@ -6,7 +6,7 @@ linear), activation bytes rounded up to whole bytes. Parameters do not scale.
 
 Time of stage t holding layers [i, j) on ``r`` replicas of speed ``v``::
 
-    compute(t) = sum(fwd + bwd)[i:j] / (v * r)  +  allreduce(t) / m
+    compute(t) = sum(fwd + bwd + c fwd)[i:j] / (v * r)  +  allreduce(t) / m
     allreduce(t) = 2 (r - 1) / r * param_bytes[i:j] / bandwidth      (ring, once per step)
     link(t)    = 2 * cut_bytes[j] / bandwidth(t -> t+1)               (activation + gradient)
     cost(t)    = max(compute(t), link(t))
@@ -22,8 +22,10 @@ Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight`
     always: weights[i:j] + k * cut_bytes[i] + activation_bytes[i:j]
 
 ``weights`` is parameters + gradients (same size) + optimizer state; ``cut_bytes[i]`` is what the
-stage receives (its input, kept for backward); with checkpointing only that input is kept per
-micro-batch and one micro-batch's activations are rebuilt at a time.
+stage receives (its input, kept for backward); with recomputation ("always", c = 1 above) only
+that input is kept per micro-batch and one micro-batch's activations are rebuilt at a time, in
+its backward, which runs the stage's forward again. ``checkpoint="auto"`` lets each stage take
+either mode: the solvers pick per stage, recomputing only where a memory cap needs it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from partitioner.profile import Profile
 from schedules import Kind, Schedule, build, simulate
 from schedules.generators import MULTI_STAGE_PER_RANK
 
-CHECKPOINT = ("never", "always")
+CHECKPOINT = ("never", "auto", "always")
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
 
 
@@ -114,7 +116,7 @@ class Problem:
     cut_bytes: np.ndarray  # (L + 1,) int64
     allowed: np.ndarray  # (L + 1,) bool
     inflight: tuple[int, ...]  # (S,)
-    checkpoint: bool = False
+    checkpoint: str = "never"  # "never", "always" or "auto" (each stage either, as it needs)
     speed: tuple[float, ...] = ()  # (S,) compute speed relative to the profiled device
     memory: tuple[int | None, ...] = ()  # (S,) bytes per device, None = no cap
     bandwidth: tuple[float, ...] = ()  # (S - 1,) bytes/s of the link to the next stage
@@ -136,6 +138,11 @@ class Problem:
     def cost(self) -> np.ndarray:
         """Forward + backward seconds of each layer."""
         return self.forward + self.backward
+
+    @property
+    def modes(self) -> tuple[bool, ...]:
+        """The recomputation choices a stage may take (True: recompute its forward in backward)."""
+        return {"never": (False,), "always": (True,), "auto": (False, True)}[self.checkpoint]
 
 
 def _layer_array(values: Values | None, layers: int, kind: type, what: str) -> np.ndarray:
@@ -177,7 +184,7 @@ def make_problem(
     cut_bytes: Values | None = None,
     allowed: Sequence[bool] | np.ndarray | None = None,
     inflight: Sequence[int] | None = None,
-    checkpoint: bool = False,
+    checkpoint: bool | str = False,
     speed: Sequence[float] | None = None,
     memory: int | None | Sequence[int | None] = None,
     bandwidth: float | Sequence[float] = math.inf,
@@ -188,10 +195,14 @@ def make_problem(
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
     resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
     ``weight_gradient`` is the part of each layer's backward that computes weight gradients
-    (zero when omitted: the whole backward is input gradient)."""
+    (zero when omitted: the whole backward is input gradient). ``checkpoint``: "never",
+    "always" or "auto" (True and False: "always" and "never")."""
     n = len(forward)
     if n < 1:
         raise ValueError("nothing to split: no layers")
+    mode = checkpoint if isinstance(checkpoint, str) else ("always" if checkpoint else "never")
+    if mode not in CHECKPOINT:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT}, got {checkpoint!r}")
     if not 1 <= stages:
         raise ValueError(f"stages must be >= 1, got {stages}")
     fwd = _layer_array(forward, n, float, "forward")
@@ -227,7 +238,7 @@ def make_problem(
         cut_bytes=cuts,
         allowed=ok,
         inflight=tuple(flight),
-        checkpoint=checkpoint,
+        checkpoint=mode,
         speed=tuple(spd),
         memory=tuple(None if m is None else int(m) for m in mem),
         bandwidth=tuple(bw),
@@ -291,7 +302,7 @@ def problem_from_profile(
         cut_bytes=cut,
         allowed=allowed,
         inflight=inflight(schedule, stages, microbatches, virtual_stages),
-        checkpoint=checkpoint == "always",
+        checkpoint=checkpoint,
         speed=speed,
         memory=memory,
         bandwidth=bandwidth,
@@ -304,9 +315,13 @@ def problem_from_profile(
 # --- the canonical formulas; the solvers and the plan all evaluate stages through these ---
 
 
-def compute_prefix(problem: Problem, stage: int, replicas: int = 1) -> np.ndarray:
-    """Q with compute(stage on layers [i, j)) = Q[j] - Q[i] (seconds, all-reduce amortised)."""
-    per_layer = problem.cost / (problem.speed[stage] * replicas)
+def compute_prefix(
+    problem: Problem, stage: int, replicas: int = 1, recompute: bool = False
+) -> np.ndarray:
+    """Q with compute(stage on layers [i, j)) = Q[j] - Q[i] (seconds, all-reduce amortised);
+    ``recompute`` adds the forward that the backward runs again."""
+    work = problem.cost + problem.forward if recompute else problem.cost
+    per_layer = work / (problem.speed[stage] * replicas)
     if replicas > 1:
         share = (
             2.0 * (replicas - 1) / replicas / (problem.allreduce_bandwidth * problem.microbatches)
@@ -323,10 +338,13 @@ def link_time(problem: Problem, stage: int) -> np.ndarray:
     return 2.0 * problem.cut_bytes / problem.bandwidth[stage]
 
 
-def memory_terms(problem: Problem, stage: int) -> tuple[np.ndarray, np.ndarray]:
-    """(H, g) with memory(stage on layers [i, j)) = H[j] + g[i], bytes, int64."""
+def memory_terms(
+    problem: Problem, stage: int, recompute: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(H, g) with memory(stage on layers [i, j)) = H[j] + g[i], bytes, int64; ``recompute``
+    keeps one micro-batch's activations instead of ``inflight``'s."""
     k = problem.inflight[stage]
-    kept = problem.activation_bytes * (1 if problem.checkpoint else k)
+    kept = problem.activation_bytes * (1 if recompute else k)
     head = np.concatenate(([0], np.cumsum(problem.weight_bytes + kept))).astype(np.int64)
     return head, k * problem.cut_bytes - head
 
@@ -339,7 +357,7 @@ class StageCost:
     stop: int
     replicas: int
     forward: float  # seconds per micro-batch on one of its devices, divided by replicas
-    backward: float
+    backward: float  # the whole backward, the recomputed forward included when recompute
     weight: float  # the part of backward that computes weight gradients (W)
     compute: float  # forward + backward + amortised all-reduce
     allreduce: float  # seconds per mini-batch
@@ -347,6 +365,7 @@ class StageCost:
     message: float  # seconds one activation message takes on the outgoing link
     send_bytes: int  # bytes of that message (0 for the last stage)
     memory: int  # bytes on one device
+    recompute: bool = False  # whether its backward recomputes the forward (checkpoint "always")
 
     @property
     def cost(self) -> float:
@@ -354,28 +373,50 @@ class StageCost:
         return max(self.compute, self.link)
 
 
+def _fits(problem: Problem, stage: int, start: int, stop: int) -> bool:
+    """Whether the stage on layers [start, stop) fits its device's memory cap keeping its
+    activations."""
+    cap = problem.memory[stage]
+    head, tail = memory_terms(problem, stage)
+    return cap is None or int(head[stop] + tail[start]) <= cap
+
+
 def evaluate(
-    problem: Problem, bounds: Sequence[int], replicas: Sequence[int] | None = None
+    problem: Problem,
+    bounds: Sequence[int],
+    replicas: Sequence[int] | None = None,
+    recompute: Sequence[bool] | None = None,
 ) -> list[StageCost]:
-    """Cost of each stage of the split whose stage t holds layers [bounds[t], bounds[t + 1])."""
+    """Cost of each stage of the split whose stage t holds layers [bounds[t], bounds[t + 1]).
+
+    ``recompute`` says per stage whether it recomputes; by default as ``problem.checkpoint``
+    says, and under "auto" only a stage that does not fit its memory cap otherwise (keeping
+    activations is never slower, so this is the fastest choice that fits)."""
     reps = [1] * problem.stages if replicas is None else list(replicas)
     if len(bounds) != problem.stages + 1 or len(reps) != problem.stages:
         raise ValueError(f"a split into {problem.stages} stages needs {problem.stages + 1} bounds")
+    if recompute is None:
+        recompute = [
+            problem.checkpoint == "always"
+            or (problem.checkpoint == "auto" and not _fits(problem, t, bounds[t], bounds[t + 1]))
+            for t in range(problem.stages)
+        ]
     out = []
     for t in range(problem.stages):
-        i, j, r = bounds[t], bounds[t + 1], reps[t]
+        i, j, r, again = bounds[t], bounds[t + 1], reps[t], bool(recompute[t])
         divisor = problem.speed[t] * r
-        head, tail = memory_terms(problem, t)
+        head, tail = memory_terms(problem, t, again)
         grads = float(problem.param_bytes[i:j].sum())
-        prefix = compute_prefix(problem, t, r)
+        prefix = compute_prefix(problem, t, r, again)
         last = t == problem.stages - 1
+        forward = float(problem.forward[i:j].sum()) / divisor
         out.append(
             StageCost(
                 start=i,
                 stop=j,
                 replicas=r,
-                forward=float(problem.forward[i:j].sum()) / divisor,
-                backward=float(problem.backward[i:j].sum()) / divisor,
+                forward=forward,
+                backward=float(problem.backward[i:j].sum()) / divisor + (forward if again else 0),
                 weight=float(problem.weight_gradient[i:j].sum()) / divisor,
                 compute=float(prefix[j] - prefix[i]),
                 allreduce=2.0 * (r - 1) / r * grads / problem.allreduce_bandwidth,
@@ -383,6 +424,7 @@ def evaluate(
                 message=0.0 if last else float(problem.cut_bytes[j]) / problem.bandwidth[t],
                 send_bytes=0 if last else int(problem.cut_bytes[j]),
                 memory=int(head[j] + tail[i]),
+                recompute=again,
             )
         )
     return out

@@ -25,9 +25,10 @@ O(S D^2 L log L) with replication; about 60 probes in all.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -65,6 +66,11 @@ class Split:
     def balance(self) -> list[int]:
         """Layers per stage."""
         return [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+
+    @property
+    def recompute(self) -> list[bool]:
+        """Per stage, whether it recomputes its forward in backward."""
+        return [stage.recompute for stage in self.stages]
 
 
 def split_of(problem: Problem, bounds: Sequence[int], replicas: Sequence[int]) -> Split:
@@ -114,20 +120,27 @@ def _merge(reached: dict[int, np.ndarray], used: int, ok: np.ndarray) -> None:
 
 
 class _Sweep:
-    """The decision procedure: which positions each stage can reach under limits (T, M)."""
+    """The decision procedure: which positions each stage can reach under limits (T, M).
+
+    Under ``checkpoint="auto"`` each stage may keep its activations or recompute them; a stage
+    reaches a position if either mode does, since each stage's time and memory are its own."""
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
         layers, stages = problem.layers, problem.stages
         self.floor_log2 = np.zeros(layers + 2, dtype=np.int64)
         self.floor_log2[1:] = np.floor(np.log2(np.arange(1, layers + 2))).astype(np.int64)
-        self.memory = [memory_terms(problem, t) for t in range(stages)]
+        self.memory = {
+            (t, mode): memory_terms(problem, t, mode)
+            for t, mode in itertools.product(range(stages), problem.modes)
+        }
         # the most memory any single stage t could need: a cap at or above it never binds
-        self.worst = [
-            int((head[1:] + np.maximum.accumulate(tail[:-1])).max()) for head, tail in self.memory
-        ]
+        self.worst = {
+            key: int((head[1:] + np.maximum.accumulate(tail[:-1])).max())
+            for key, (head, tail) in self.memory.items()
+        }
         self.links = [link_time(problem, t) for t in range(stages)]
-        self.prefix: dict[tuple[float, int], np.ndarray] = {}
+        self.prefix: dict[tuple[float, int, bool], np.ndarray] = {}
         pos = np.arange(layers + 1)
         self.ends = []
         for t in range(stages):
@@ -139,10 +152,10 @@ class _Sweep:
         self.start[0] = True
         self.buffer = np.empty((int(self.floor_log2[layers + 1]) + 1, layers + 1), dtype=np.int64)
 
-    def _prefix(self, stage: int, replicas: int) -> np.ndarray:
-        key = (self.problem.speed[stage], replicas)
+    def _prefix(self, stage: int, replicas: int, recompute: bool) -> np.ndarray:
+        key = (self.problem.speed[stage], replicas, recompute)
         if key not in self.prefix:
-            self.prefix[key] = compute_prefix(self.problem, stage, replicas)
+            self.prefix[key] = compute_prefix(self.problem, stage, replicas, recompute)
         return self.prefix[key]
 
     def _cap(self, stage: int, limit: int | None, device_caps: bool) -> int | None:
@@ -154,43 +167,62 @@ class _Sweep:
         """Reachable positions per stage boundary if some split has every stage cost <= time
         and memory <= min(memory, the device's cap), else None."""
         problem = self.problem
-        windows: dict[tuple[float, int], _Window] = {}
+        windows: dict[tuple[float, int, bool], _Window] = {}
         states: States = [{0: self.start}]
         for t in range(problem.stages):
             end = self.ends[t]
             if t < problem.stages - 1:
                 end = end & (self.links[t] <= time)
-            cap = self._cap(t, memory, device_caps)
-            if cap is not None and cap >= self.worst[t]:
-                cap = None
-            head, tail = self.memory[t]
             reached: dict[int, np.ndarray] = {}
-            for used, here in states[-1].items():
-                most_replicas = problem.devices - used - (problem.stages - 1 - t)
-                options = []
-                for r in range(1, most_replicas + 1):
-                    key = (problem.speed[t], r)
-                    if key not in windows:
-                        windows[key] = _Window(self._prefix(t, r), time, self.floor_log2)
-                    options.append((r, windows[key]))
-                if cap is None:
-                    count = np.concatenate(([0], np.cumsum(here)))
-                    for r, window in options:
-                        _merge(reached, used + r, end & (count[:-1] > count[window.lo]))
-                    continue
-                table = self._table(
-                    np.where(here, tail, _BIG), max(window.top for _, window in options)
-                )
-                for r, window in options:
-                    least = np.minimum(table.take(window.left_cell), table.take(window.right_cell))
-                    ok = head + least <= cap  # _BIG (no reachable start) never fits
-                    ok &= window.nonempty
-                    ok &= end
-                    _merge(reached, used + r, ok)
+            for mode in problem.modes:
+                key = (t, mode)
+                cap = self._cap(t, memory, device_caps)
+                if cap is not None and cap >= self.worst[key]:
+                    cap = None
+                options = [
+                    self._windows(windows, t, r, mode, time)
+                    for r in range(1, problem.devices - problem.stages + 2)
+                ]
+                self._advance(states[-1], t, end, self.memory[key], cap, options, reached)
             if not reached:
                 return None
             states.append(reached)
         return states
+
+    def _windows(
+        self, windows: dict[tuple[float, int, bool], _Window], stage: int, replicas: int,
+        recompute: bool, time: float,
+    ) -> _Window:
+        """The window of starts cheap enough for ``stage`` on ``replicas`` (cached per probe)."""
+        key = (self.problem.speed[stage], replicas, recompute)
+        if key not in windows:
+            windows[key] = _Window(self._prefix(stage, replicas, recompute), time, self.floor_log2)
+        return windows[key]
+
+    def _advance(
+        self, before: dict[int, np.ndarray], stage: int, end: np.ndarray,
+        memory: tuple[np.ndarray, np.ndarray], cap: int | None, options: list[_Window],
+        reached: dict[int, np.ndarray],
+    ) -> None:
+        """Merge into ``reached`` the positions ``stage`` can end at from the positions
+        ``before`` reached, with ``options[r - 1]`` its window on r replicas."""
+        head, tail = memory
+        for used, here in before.items():
+            most = self.problem.devices - used - (self.problem.stages - 1 - stage)
+            if cap is None:
+                count = np.concatenate(([0], np.cumsum(here)))
+                for r, window in enumerate(options[:most], 1):
+                    _merge(reached, used + r, end & (count[:-1] > count[window.lo]))
+                continue
+            table = self._table(
+                np.where(here, tail, _BIG), max(window.top for window in options[:most])
+            )
+            for r, window in enumerate(options[:most], 1):
+                least = np.minimum(table.take(window.left_cell), table.take(window.right_cell))
+                ok = head + least <= cap  # _BIG (no reachable start) never fits
+                ok &= window.nonempty
+                ok &= end
+                _merge(reached, used + r, ok)
 
     def _table(self, values: np.ndarray, top: int) -> np.ndarray:
         """Sparse table: row k, column i holds min(values[i : i + 2**k]) for i <= n - 2**k
@@ -211,20 +243,21 @@ class _Sweep:
         pos = np.arange(problem.layers + 1)
         listed = 0
         stage_of_speed = {problem.speed[t]: t for t in range(problem.stages)}
-        for t in stage_of_speed.values():
-            for r in range(1, problem.devices - problem.stages + 2):
-                prefix = self._prefix(t, r)
-                # starts i with lo < prefix[j] - prefix[i] <= hi, widened by one for rounding
-                first = np.maximum(np.searchsorted(prefix, prefix - hi, side="left") - 1, 0)
-                stop = np.minimum(np.searchsorted(prefix, prefix - lo, side="left") + 1, pos)
-                counts = np.maximum(stop - first, 0)
-                listed += int(counts.sum())
-                if listed > _MAX_CANDIDATES:
-                    return None
-                ends = np.repeat(pos, counts)
-                offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
-                values = prefix[ends] - prefix[np.repeat(first, counts) + offsets]
-                found.append(values[(values > lo) & (values <= hi)])
+        for t, r, mode in itertools.product(
+            stage_of_speed.values(), range(1, problem.devices - problem.stages + 2), problem.modes
+        ):
+            prefix = self._prefix(t, r, mode)
+            # starts i with lo < prefix[j] - prefix[i] <= hi, widened by one for rounding
+            first = np.maximum(np.searchsorted(prefix, prefix - hi, side="left") - 1, 0)
+            stop = np.minimum(np.searchsorted(prefix, prefix - lo, side="left") + 1, pos)
+            counts = np.maximum(stop - first, 0)
+            listed += int(counts.sum())
+            if listed > _MAX_CANDIDATES:
+                return None
+            ends = np.repeat(pos, counts)
+            offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
+            values = prefix[ends] - prefix[np.repeat(first, counts) + offsets]
+            found.append(values[(values > lo) & (values <= hi)])
         return np.unique(np.concatenate(found))
 
     def trace(
@@ -237,12 +270,12 @@ class _Sweep:
         bounds, replicas = [j], []
         for t in range(problem.stages - 1, -1, -1):
             cap = self._cap(t, memory, device_caps)
-            head, tail = self.memory[t]
-            for r in range(1, used + 1):
+            for r, mode in itertools.product(range(1, used + 1), problem.modes):
                 here = states[t].get(used - r)
                 if here is None:
                     continue
-                prefix = self._prefix(t, r)
+                head, tail = self.memory[t, mode]
+                prefix = self._prefix(t, r, mode)
                 starts = np.arange(j)
                 ok = here[:j] & (prefix[j] - prefix[:j] <= time)
                 if cap is not None:
@@ -355,7 +388,12 @@ def _least_time(sweep: _Sweep, hi: float) -> float:
 def solve(problem: Problem) -> Split:
     """The split with the least bottleneck, ties broken toward the least peak memory.
 
-    Raises InfeasibleError (with ``smallest_cap``) if no split fits the memory caps."""
+    Under ``checkpoint="auto"`` a split that recomputes nowhere is taken whenever one reaches
+    the least bottleneck; otherwise each stage of the chosen split recomputes only if it does
+    not fit its memory cap keeping its activations. Raises InfeasibleError (with
+    ``smallest_cap``) if no split fits the memory caps."""
+    if problem.checkpoint == "auto" and all(cap is None for cap in problem.memory):
+        problem = replace(problem, checkpoint="never")  # no cap: recomputing only costs time
     sweep = _Sweep(problem)
     if sweep.probe(math.inf, None, device_caps=False) is None:
         raise _structure_error(problem)
@@ -366,19 +404,22 @@ def solve(problem: Problem) -> Split:
         have = " / ".join(format_bytes(c) for c in caps)
         raise InfeasibleError(
             f"no split into {problem.stages} stages fits in {have} per device: the least memory "
-            f"any split needs is {need} bytes ({format_bytes(need)}) on its fullest device; raise "
-            "the cap to at least that, add stages, use fewer micro-batches in flight (1f1b) or "
-            "checkpoint='always'",
+            f"any split needs is {need} bytes ({format_bytes(need)}) on its fullest device",
             smallest_cap=need,
         )
     time = _least_time(sweep, sweep.trace(states, math.inf, None).bottleneck)
+    if problem.checkpoint == "auto":
+        keeping = _Sweep(replace(problem, checkpoint="never"))
+        if keeping.probe(time, None) is not None:  # the cap does not need recomputation
+            sweep = keeping
     best = sweep.probe(time, None)
     assert best is not None
     top = sweep.trace(best, time, None).peak_memory
     memory = _least_int(lambda m: sweep.probe(time, m) is not None, _memory_floor(problem) - 1, top)
     final = sweep.probe(time, memory)
     assert final is not None
-    return sweep.trace(final, time, memory)
+    chosen = sweep.trace(final, time, memory)
+    return split_of(problem, chosen.bounds, chosen.replicas)
 
 
 def balance(times: Sequence[float], stages: int) -> list[int]:

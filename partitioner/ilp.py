@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pulp
@@ -41,8 +42,18 @@ def _variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
     return pulp.LpVariable(name, lowBound=0, cat=cat)
 
 
+def _most_memory(problem: Problem, stage: int) -> int:
+    """The most memory ``stage`` could need on any layers (keeping activations)."""
+    head, tail = memory_terms(problem, stage)
+    return int((head[1:] + np.maximum.accumulate(tail[:-1])).max())
+
+
 class _Program:
-    """The split as an integer program; ``objective`` is "time" or "memory"."""
+    """The split as an integer program; ``objective`` is "time" or "memory".
+
+    Under ``checkpoint="auto"`` a binary ``c[t]`` says that stage t recomputes. Recomputing is
+    never faster and never needs more memory, so the keeping mode's time and the recomputing
+    mode's memory bound every stage, and the other two hold only in their mode (big-M)."""
 
     def __init__(self, problem: Problem, cuts: list[int], objective: str, limit: float) -> None:
         n, s = problem.layers, problem.stages
@@ -53,33 +64,34 @@ class _Program:
             for t in range(s - 1)
             for p in cuts
         }
-        q = [compute_prefix(problem, t) for t in range(s)]
-        self.time_scale = max(float(x[-1]) for x in q) or 1.0
-        mem = [memory_terms(problem, t) for t in range(s)]
-        mem_scale = float(max(int(h[-1]) for h, _ in mem)) or 1.0
         position = np.arange(n + 1, dtype=float)
         for t in range(s - 1):
             self.model += pulp.lpSum(self.e[t, p] for p in cuts) == 1
             if t > 0:
                 self.model += self._end(t, position) >= self._end(t - 1, position) + 1
-        memory = [
-            self._end(t, mem[t][0] / mem_scale) + self._start(t, mem[t][1] / mem_scale)
-            for t in range(s)
-        ]
-        for t, cap in enumerate(problem.memory):
-            if cap is not None:
-                self.model += memory[t] <= cap / mem_scale
-        times = [
-            self._end(t, q[t] / self.time_scale) - self._start(t, q[t] / self.time_scale)
-            for t in range(s)
-        ] + [self._end(t, link_time(problem, t) / self.time_scale) for t in range(s - 1)]
+        modes = problem.modes
+        self.time_scale = max(float(compute_prefix(problem, t, 1, True)[-1]) for t in range(s))
+        self.time_scale = self.time_scale or 1.0
+        mem_scale = float(max(_most_memory(problem, t) for t in range(s))) or 1.0
         bound = _variable(self.model, "bound", "Continuous")
         self.model += bound
-        for x in times:
-            self.model += x <= (bound if objective == "time" else limit / self.time_scale)
-        if objective == "memory":
-            for x in memory:
-                self.model += x <= bound
+        time_cap = bound if objective == "time" else limit / self.time_scale
+        # scaled times and memories are at most 1: a slack of 2 lifts a mode's bounds
+        c = {t: _variable(self.model, f"c_{t}", "Binary") for t in range(s) if len(modes) > 1}
+        for t in range(s):
+            for mode in modes:
+                off = 0 if len(modes) == 1 else (1 - c[t] if mode else c[t])
+                q = compute_prefix(problem, t, 1, mode) / self.time_scale
+                head, tail = (x / mem_scale for x in memory_terms(problem, t, mode))
+                memory = self._end(t, head) + self._start(t, tail)
+                self.model += self._end(t, q) - self._start(t, q) <= time_cap + 2.0 * off
+                cap = problem.memory[t]
+                if cap is not None:
+                    self.model += memory <= cap / mem_scale + 2.0 * off
+                if objective == "memory":
+                    self.model += memory <= bound + 2.0 * off
+        for t in range(s - 1):
+            self.model += self._end(t, link_time(problem, t) / self.time_scale) <= time_cap
 
     def _end(self, t: int, values: np.ndarray) -> pulp.LpAffineExpression:
         if t == self.problem.stages - 1:
@@ -104,6 +116,8 @@ def solve_ilp(problem: Problem, time_limit: float | None = None) -> Split:
     """The least-bottleneck split of ``problem`` (one device per stage) by integer programming."""
     if problem.devices != problem.stages:
         raise ValueError("the integer program places one device per stage; use the DP to replicate")
+    if problem.checkpoint == "auto" and all(cap is None for cap in problem.memory):
+        problem = replace(problem, checkpoint="never")  # no cap: recomputing only costs time
     n, s = problem.layers, problem.stages
     cuts = [p for p in range(1, n) if problem.allowed[p]]
     if len(cuts) < s - 1:
@@ -118,8 +132,12 @@ def solve_ilp(problem: Problem, time_limit: float | None = None) -> Split:
             "bytes on its fullest device",
             smallest_cap=need,
         )
-    tied = _Program(problem, cuts, "memory", best.bottleneck).solve(time_limit)
-    if tied is not None and tied.bottleneck <= best.bottleneck:
-        if tied.peak_memory < best.peak_memory:
-            return tied
+    # ties: the least peak memory; under "auto" a split recomputing nowhere first
+    variants = [replace(problem, checkpoint="never"), problem]
+    for variant in variants if problem.checkpoint == "auto" else [problem]:
+        tied = _Program(variant, cuts, "memory", best.bottleneck).solve(time_limit)
+        if tied is not None:
+            tied = split_of(problem, tied.bounds, tied.replicas)
+            if tied.bottleneck <= best.bottleneck:
+                return min(best, tied, key=lambda x: (any(x.recompute), x.peak_memory))
     return best

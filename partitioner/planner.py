@@ -8,9 +8,15 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from partitioner.costs import StageCost, evaluate, pipeline_schedule, problem_from_profile
+from partitioner.costs import (
+    Problem,
+    StageCost,
+    evaluate,
+    pipeline_schedule,
+    problem_from_profile,
+)
 from partitioner.dp import Split, solve
-from partitioner.errors import InfeasibleError
+from partitioner.errors import InfeasibleError, Remedy
 from partitioner.ilp import solve_ilp
 from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
@@ -35,7 +41,7 @@ def plan(
     memory: int | str | None = None,
     bandwidth: float | str | None = None,
     devices: int | nx.Graph | None = None,
-    checkpoint: str = "never",
+    checkpoint: str = "auto",
     microbatch_size: int | None = None,
     solver: str = "auto",
     cores: int | None = None,
@@ -49,7 +55,9 @@ def plan(
     stage), an int >= ``stages`` (identical devices; stages may be replicated) or a device graph
     from :mod:`partitioner.topology` with one device per stage (identical devices: DP with every
     link's own bandwidth; unlike devices: integer program). ``microbatch_size`` defaults to the
-    profile's batch size. Raises InfeasibleError when nothing fits, naming the cap that would.
+    profile's batch size. ``checkpoint="auto"`` recomputes activations only on the stages
+    whose memory cap needs it ("always": every stage, "never": none; ``Plan.checkpoints``).
+    Raises InfeasibleError when nothing fits, naming the cap that would and the ways out.
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -92,7 +100,7 @@ def plan(
         bandwidth=links,
         devices=count,
     )
-    split = solve_ilp(problem) if use_ilp else solve(problem)
+    split = _solve(problem, use_ilp, schedule, checkpoint)
     if interleaved:
         ranks = [[t % (stages // virtual_stages)] for t in range(stages)]
         _check_rank_memory(split.stages, ranks, cap)
@@ -100,10 +108,9 @@ def plan(
         first = [sum(split.replicas[:t]) for t in range(stages)]
         ranks = [list(range(a, a + r)) for a, r in zip(first, split.replicas, strict=True)]
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    host = Host(cores, overhead)
     return _make_plan(
-        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp, host,
-        virtual_stages,
+        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
+        Host(cores, overhead), virtual_stages,
     )
 
 
@@ -122,6 +129,35 @@ def _on_graph(
     return speed, caps, link_bandwidths(devices, order), [[r] for r in order]
 
 
+def _solve(problem: Problem, use_ilp: bool, schedule: str, checkpoint: str) -> Split:
+    """The best split by the DP or the integer program; if none fits, the ways out."""
+    try:
+        return solve_ilp(problem) if use_ilp else solve(problem)
+    except InfeasibleError as error:
+        remedies = _remedies(problem, schedule, checkpoint, error.smallest_cap is not None)
+        raise InfeasibleError(error.reason, error.smallest_cap, remedies) from None
+
+
+def _remedies(problem: Problem, schedule: str, checkpoint: str, memory: bool) -> list[Remedy]:
+    """The ways out of an infeasible plan, leaving out the options already in force."""
+    if not memory:  # too few layers or cuts: fewer stages is the way out
+        return []
+    found = [Remedy("a larger memory cap", "a larger --memory")]
+    if problem.stages < problem.layers:
+        found.append(Remedy("more stages", "a larger --stages"))
+    if schedule == "gpipe":
+        found.append(Remedy(
+            "schedule='1f1b' (fewer micro-batches in flight)",
+            "--schedule 1f1b (fewer micro-batches in flight)",
+        ))
+    if checkpoint == "never":
+        found.append(Remedy(
+            "checkpoint='auto' (recompute activations where the cap needs it)",
+            "--checkpoint auto (recompute activations where the cap needs it)",
+        ))
+    return found
+
+
 def _check_rank_memory(
     stages: Sequence[StageCost], ranks: Sequence[list[int]], cap: int | None
 ) -> None:
@@ -136,10 +172,17 @@ def _check_rank_memory(
         need[where[0]] = need.get(where[0], 0) + cost.memory
     rank, most = max(need.items(), key=lambda item: item[1])
     if most > cap:
+        remedies = [
+            Remedy("a larger memory cap", "a larger --memory"),
+            Remedy("more ranks (fewer virtual_stages per rank)", "a smaller --virtual-stages"),
+        ]
+        if not all(s.recompute for s in stages):
+            remedies.append(Remedy("checkpoint='always'", "--checkpoint always"))
         raise InfeasibleError(
             f"rank {rank} holds {most:,} bytes of its stages, over the memory cap of "
-            f"{cap:,} bytes; raise the cap or use more ranks (fewer virtual stages per rank)",
+            f"{cap:,} bytes",
             smallest_cap=None,
+            remedies=remedies,
         )
 
 
@@ -228,6 +271,7 @@ def _make_plan(
                 transfer_time=s.message,
                 transfer_bytes=s.send_bytes,
                 memory_bytes=s.memory,
+                checkpoint="always" if s.recompute else "never",
             )
         )
     flat = all(len(r) == 1 for r in ranks)

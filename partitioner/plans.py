@@ -15,7 +15,7 @@ JSON format (``version`` 1; times in seconds, sizes in bytes)::
         {"layers": [0, 3], "ranks": [0], "names": ["0", "1", "2"], "param_counts": [10, 0, 20],
          "forward_time": 0.004, "backward_time": 0.008, "compute_time": 0.012,
          "allreduce_time": 0.0, "transfer_time": 0.0004, "transfer_bytes": 1048576,
-         "memory_bytes": 123456789, "weight_time": 0.004},
+         "memory_bytes": 123456789, "weight_time": 0.004, "checkpoint": "never"},
         ...
       ]
     }
@@ -26,7 +26,10 @@ ranks); ``compute_time`` is forward + backward + the all-reduce amortised over t
 micro-batches, ``allreduce_time`` the all-reduce once per step; ``transfer_time`` and
 ``transfer_bytes`` describe one activation message to the next stage; ``weight_time`` (optional,
 0 when absent) is the part of ``backward_time`` that computes weight gradients, which the
-zero-bubble schedules run apart (see ``partitioner.costs.weight_gradient_share``). Under
+zero-bubble schedules run apart (see ``partitioner.costs.weight_gradient_share``). The plan's
+``checkpoint`` is what the planner was asked ("never", "auto" or "always"); each stage's
+``checkpoint`` is what it chose for that stage, "never" or "always" (recompute the forward in
+backward: ``backward_time`` includes it); a file without it (older) means the plan's own. Under
 "interleaved" several stages share a rank (``stage_to_rank`` [0, 1, 0, 1]: 2 ranks).
 ``host`` says what the prediction assumed beyond the profile (see :class:`Host`).
 """
@@ -40,10 +43,12 @@ from typing import Any, get_type_hints
 
 from partitioner.errors import PlanFileError, PlanMismatchError
 from partitioner.fields import typed
+from partitioner.units import format_bytes
 
 FORMAT = "pipetrain-plan"
 VERSION = 1
 FIX = "re-run `pipetrain profile` and `pipetrain plan` for this model"
+STAGE_MODES = ("never", "always")  # a stage keeps its activations, or recomputes them
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class StagePlan:
     transfer_bytes: int
     memory_bytes: int
     weight_time: float = 0.0  # the part of backward_time that computes weight gradients (W)
+    checkpoint: str = "never"  # "always": the stage recomputes its forward in backward
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,11 @@ class Plan:
         return [count for stage in self.per_stage for count in stage.param_counts]
 
     @property
+    def checkpoints(self) -> list[str]:
+        """Each stage's recomputation mode, "never" or "always"."""
+        return [stage.checkpoint for stage in self.per_stage]
+
+    @property
     def pipeline_ranks(self) -> int:
         """How many ranks run one pipeline (fewer than stages under "interleaved")."""
         return len({rank for stage in self.per_stage for rank in stage.ranks})
@@ -157,14 +168,15 @@ class Plan:
         """The stages as a text table for people."""
         rows = [
             f"{'stage':>5} {'layers':>11} {'ranks':>8} {'params':>12} {'compute ms':>10} "
-            f"{'send ms':>8} {'memory GiB':>10}"
+            f"{'send ms':>8} {'memory':>11} {'recompute':>9}"
         ]
         for t, s in enumerate(self.per_stage):
             ranks = ",".join(map(str, s.ranks))
             rows.append(
                 f"{t:>5} {s.layers[0]:>5}-{s.layers[1] - 1:<5} {ranks:>8} "
                 f"{sum(s.param_counts):>12,} {s.compute_time * 1e3:>10.3f} "
-                f"{s.transfer_time * 1e3:>8.3f} {s.memory_bytes / 2**30:>10.3f}"
+                f"{s.transfer_time * 1e3:>8.3f} {format_bytes(s.memory_bytes):>11} "
+                f"{'yes' if s.checkpoint == 'always' else 'no':>9}"
             )
         rows.append(
             f"bottleneck {self.bottleneck * 1e3:.3f} ms, step {self.step_time * 1e3:.3f} ms, "
@@ -194,11 +206,11 @@ class Plan:
                 f"plan version {data.get('version')!r} is not supported (this pipetrain reads "
                 f"version {VERSION}); re-run `pipetrain plan`"
             )
+        values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"))
         stages = [
-            _stage_from_dict(s, t)
+            _stage_from_dict(s, t, values["checkpoint"])
             for t, s in enumerate(typed(data, "per_stage", list, "plan", PlanFileError))
         ]
-        values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"))
         return cls(**{**values, "per_stage": stages, "host": _host_from_dict(data.get("host"))})
 
     def save(self, path: str | Path) -> None:
@@ -247,9 +259,18 @@ def _host_from_dict(data: Any) -> Host:
         raise PlanFileError(f"plan's host {data!r} is not valid: {err}") from None
 
 
-def _stage_from_dict(data: Any, index: int) -> StagePlan:
+def _stage_from_dict(data: Any, index: int, checkpoint: str) -> StagePlan:
+    """Stage ``index`` of a plan file; without a checkpoint mode of its own (a file older than
+    per-stage recomputation) it takes the plan's ``checkpoint``."""
     if not isinstance(data, dict):
         raise PlanFileError(f"stage {index} must be an object")
+    if "checkpoint" not in data and checkpoint in STAGE_MODES:
+        data = {**data, "checkpoint": checkpoint}
     values = _typed_fields(StagePlan, data, f"stage {index}", optional=("weight_time",))
+    if values["checkpoint"] not in STAGE_MODES:
+        raise PlanFileError(
+            f"stage {index}'s checkpoint must be one of {STAGE_MODES}, got "
+            f"{values['checkpoint']!r}; {FIX}"
+        )
     values["layers"] = tuple(values["layers"])
     return StagePlan(**values)

@@ -14,7 +14,8 @@ JSON format (``version`` 1)::
       "input_bytes": 19267584,
       "layers": [
         {"name": "0", "forward": 0.0012, "backward": 0.0025, "activation_bytes": 102760448,
-         "param_count": 1792, "param_bytes": 7168, "optimizer_state_bytes": 14336},
+         "param_count": 1792, "param_bytes": 7168, "optimizer_state_bytes": 14336,
+         "spread": 0.08},
         ...
       ],
       "boundaries": null
@@ -23,6 +24,8 @@ JSON format (``version`` 1)::
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
 whose outputs cross the cut after layer i (a branched graph), and whether the cut may be used.
+``spread`` (optional, 0 when absent) is how far the timed repeats of a layer's forward +
+backward lay apart: (slowest - fastest) / median.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from partitioner.fields import typed
 
 FORMAT = "pipetrain-profile"
 VERSION = 1
+NOISY_SPREAD = 0.5  # repeats further apart than half their median: the machine was busy
+NOISY_SHARE = 0.02  # ... in a layer that is at least this share of the model's time
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,9 @@ class LayerCost:
 
     ``forward``/``backward`` are seconds; ``activation_bytes`` is the size of this layer's output
     (what is stashed for backward and what crosses a stage boundary after it);
-    ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32.
+    ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32; ``spread`` is
+    (slowest - fastest) / median of the timed repeats' forward + backward (0: one repeat, or
+    not measured), large when the machine was busy while profiling.
     """
 
     name: str
@@ -56,11 +63,14 @@ class LayerCost:
     param_count: int
     param_bytes: int
     optimizer_state_bytes: int = 0
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         for what in ("forward", "backward"):
             if not getattr(self, what) >= 0:
                 raise ValueError(f"layer {self.name!r}: {what} time must be >= 0 seconds")
+        if not self.spread >= 0:
+            raise ValueError(f"layer {self.name!r}: spread must be >= 0, got {self.spread}")
         for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes"):
             if getattr(self, what) < 0:
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0")
@@ -111,6 +121,16 @@ class Profile:
         if self.boundaries is None:
             return (cut,)
         return self.boundaries[cut].sources
+
+    def noisy(self, limit: float = NOISY_SPREAD, share: float = NOISY_SHARE) -> list[int]:
+        """The layers whose repeats spread more than ``limit`` (relative) and that weigh at
+        least ``share`` of the model's forward + backward: their times may be off enough to
+        move a plan (a tiny layer's relative jitter does not matter)."""
+        total = sum(layer.forward + layer.backward for layer in self.layers)
+        return [
+            i for i, layer in enumerate(self.layers)
+            if layer.spread > limit and layer.forward + layer.backward >= share * total
+        ]
 
     def cut_allowed(self, cut: int) -> bool:
         """Whether a stage may end after layer ``cut``."""

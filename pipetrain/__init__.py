@@ -14,6 +14,7 @@ from pipetrain.errors import (
 )
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+from pipetrain.progress import Progress
 from pipetrain.restart import restarted, start_or_resume
 from pipetrain.task import TrainTask
 from pipetrain.weights import PredictionError
@@ -31,6 +32,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PredictionError",
+    "Progress",
     "StageError",
     "TrainTask",
     "__version__",

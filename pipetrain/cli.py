@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,11 +181,16 @@ def _sample_input(shape: list[int], dtype_name: str, high: int | None, seed: int
 
 
 def _profile_table(profile: Profile) -> str:
-    rows = [f"{'layer':<28} {'forward ms':>10} {'backward ms':>11} {'output':>11} {'params':>11}"]
-    for layer in profile.layers:
+    rows = [
+        f"{'layer':<28} {'forward ms':>10} {'backward ms':>11} {'spread':>7} {'output':>11} "
+        f"{'params':>11}"
+    ]
+    noisy = set(profile.noisy())
+    for i, layer in enumerate(profile.layers):
         rows.append(
             f"{layer.name:<28} {_ms(layer.forward):>10} {_ms(layer.backward):>11} "
-            f"{format_bytes(layer.activation_bytes):>11} {layer.param_count:>11,}"
+            f"{layer.spread:>7.0%} {format_bytes(layer.activation_bytes):>11} "
+            f"{layer.param_count:>11,}" + (" noisy" if i in noisy else "")
         )
     total = sum(layer.forward + layer.backward for layer in profile.layers)
     rows.append(
@@ -192,6 +198,19 @@ def _profile_table(profile: Profile) -> str:
         f"{total * 1e3:.3f} ms on {profile.device}"
     )
     return "\n".join(rows)
+
+
+def _cores() -> int:
+    """The processors this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _threads_per_rank(ranks_per_node: int) -> int:
+    """What one of ``ranks_per_node`` training ranks gets of this machine's cores (as
+    ``pipetrain.distributed.pin_to_cores`` slices them)."""
+    if ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be at least 1, got {ranks_per_node}")
+    return max(1, _cores() // ranks_per_node)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -207,10 +226,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from pipetrain.profiler import profile
+    from pipetrain.profiler import ProfileNoiseWarning, noise_message, profile
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or _threads_per_rank(args.ranks_per_node)
+    torch.set_num_threads(threads)
     try:
         model = factory(**kwargs)
     except Exception as error:
@@ -221,18 +240,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.model} returned a {type(model).__name__}, not an nn.Sequential")
     sample = _sample_input(shape, args.input_dtype, args.input_high, args.seed)
     try:
-        result = profile(
-            model,
-            sample,
-            optimizer=args.optimizer,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            device=args.device,
-        )
+        with warnings.catch_warnings():  # said below, in flags
+            warnings.simplefilter("ignore", ProfileNoiseWarning)
+            result = profile(
+                model,
+                sample,
+                optimizer=args.optimizer,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                device=args.device,
+            )
     except (ValueError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(f"profiling failed: {message}") from None
     print(_profile_table(result))
+    print(
+        f"{threads} torch threads"
+        + ("" if args.threads else f" (the {_cores()} cores / --ranks-per-node "
+           f"{args.ranks_per_node}: what a rank of training gets; --threads to change)")
+    )
+    said = noise_message(
+        result, args.repeats, f"more repeats (--repeats {max(2 * args.repeats, 10)})",
+        "fewer --threads" if threads > 1 else "other ranks' work stopped",
+    )
+    if said is not None:
+        print(f"{PROG} profile: warning: {said}", file=sys.stderr)
     if args.output:
         _save(result.to_json(), args.output)
         print(f"wrote {args.output}")
@@ -245,10 +277,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def describe_plan(plan: Plan) -> str:
     """The plan as printed by ``pipetrain plan``: a summary line and :meth:`Plan.table`."""
     layers = sum(plan.balance)
+    recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
+    said = f"recomputing on stages {recomputing}" if recomputing else "no stage recomputes"
     head = (
         f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
         f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
-        f"{plan.checkpoint}, solver {plan.solver}; profiled on {plan.device}"
+        f"{plan.checkpoint} ({said}), solver "
+        f"{plan.solver}; profiled on {plan.device}"
     )
     return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
 
@@ -293,7 +328,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             virtual_stages=args.virtual_stages,
         )
     except InfeasibleError as error:
-        message = " ".join(str(error).split())
+        message = " ".join(error.for_command_line().split())
         if error.smallest_cap is not None:
             cap = error.smallest_cap
             message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
@@ -407,7 +442,7 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
         f"{'busy ms':>9} {'bubble':>7} {'peak in-flight':>14}"
     )
     if c.memory is not None:
-        header += f" {'memory GiB':>10}"
+        header += f" {'memory':>11}"
     rows = [header]
     start = 0
     ranks = len(result.busy)  # fewer than the stages under "interleaved"
@@ -420,7 +455,7 @@ def _simulation_table(c: _StageCosts, result: Simulation) -> list[str]:
             f"{result.peak_inflight[rank]:>14}"
         )
         if c.memory is not None:
-            row += f" {c.memory[t] / 2**30:>10.3f}"
+            row += f" {format_bytes(c.memory[t]):>11}"
         rows.append(row)
         start += count
     rows.append(
@@ -479,7 +514,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _need_matplotlib("pass --no-png")
     result = report(args.folder, png=not args.no_png, step=args.step)
     print(
-        f"{result['ranks']} ranks, {result['steps']} steps traced; step {args.step}: measured "
+        f"{result['ranks']} ranks, {result['steps']} steps traced (0..{result['steps'] - 1}); "
+        f"step {result['step']}: measured "
         f"bubble {result['measured_bubble']:.1%}, simulated {result['simulated_bubble']:.1%} "
         "(the simulated twin: the schedule timed with this step's measured compute, runtime "
         "overhead, message latency and the ranks' entry times)"
@@ -527,12 +563,6 @@ def _add_planning_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help="samples per micro-batch; times scale linearly from the profile's batch "
         "(default: the profile's batch size)",
-    )
-    p.add_argument(
-        "--checkpoint",
-        default="never",
-        choices=["never", "always"],
-        help="activation checkpointing of every micro-batch (default: never)",
     )
     p.add_argument("--bandwidth", help="between consecutive stages, e.g. 25GB/s or 100Gbit/s")
     p.add_argument(
@@ -593,21 +623,26 @@ def _add_profile_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median; 5)")
     p.add_argument("--device", help="e.g. cuda:0 (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch threads (profile as you will train)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: the cores / --ranks-per-node, what each rank of training "
+        "gets)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        help="training ranks (stages) that will share this machine, for the default --threads "
+        "(default: $LOCAL_WORLD_SIZE, else 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("-o", "--output", help="write the profile JSON here")
     p.set_defaults(run=cmd_profile)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    _add_profile_command(sub)
-
+def _add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """``pipetrain plan``: its arguments."""
     p = sub.add_parser(
         "plan",
         help="split a profiled model into pipeline stages",
@@ -626,9 +661,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices in all (more than --stages replicates stages in data parallel)",
     )
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        choices=["never", "auto", "always"],
+        help="activation recomputation: auto (default) recomputes on the stages whose memory "
+        "cap needs it, always on every stage, never on none",
+    )
     _add_planning_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.set_defaults(run=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Profile, plan and simulate pipeline-parallel training."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_profile_command(sub)
+    _add_plan_command(sub)
 
     p = sub.add_parser(
         "simulate",
@@ -642,6 +695,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int)
     p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
     p.add_argument("--png", help="draw the simulated timeline here (needs matplotlib)")
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=["never", "always"],
+        help="for a profile: every stage recomputes its activations in backward, or none "
+        "(default: never)",
+    )
     _add_planning_options(p)
     p.set_defaults(run=cmd_simulate)
 
@@ -653,7 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
         "FOLDER/timeline.png (the measured step above its simulated twin).",
     )
     p.add_argument("folder")
-    p.add_argument("--step", type=int, default=-1, help="which step to draw (default: the last)")
+    p.add_argument(
+        "--step", type=int, default=-1, help="which traced step to draw, from 0 (-1: the last)"
+    )
     p.add_argument("--no-png", action="store_true", help="skip the picture")
     p.set_defaults(run=cmd_trace)
 

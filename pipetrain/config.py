@@ -17,6 +17,7 @@ from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.cuda_graphs import check_mode
 from pipetrain.planning import load_plan
+from pipetrain.progress import Progress, progress_option
 from pipetrain.stage import (
     LossFn,
     OptimizerFactory,
@@ -61,7 +62,7 @@ class PipelineConfig:
     balance: tuple[int, ...]
     chunks: int
     schedule: str
-    checkpoint: str
+    checkpoint: str | tuple[str, ...]  # one mode for every stage, or one per stage
     timeout: float
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
@@ -75,12 +76,16 @@ class PipelineConfig:
     deferred_batch_norm: bool
     track_memory: bool
     trace: str | os.PathLike | None
-    progress: bool | int
+    progress: Progress | None
     checkpoint_dir: str | os.PathLike | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
     cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/cuda_graphs.py)
+
+    def stage_checkpoint(self, stage: int) -> str:
+        """The recomputation mode of ``stage``."""
+        return self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[stage]
 
     @property
     def asynchronous(self) -> bool:
@@ -121,14 +126,14 @@ class PipelineConfig:
         plan: str | os.PathLike | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
-        checkpoint: str | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         loss_fn: LossFn | None = None,
         optimizer: OptimizerFactory | None = None,
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
         trace: str | os.PathLike | None = None,
-        progress: bool | int = False,
+        progress: bool | Progress = False,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
@@ -163,14 +168,15 @@ class PipelineConfig:
         compensation = parse_option(delay_compensation)
         # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
         graphs = check_mode(cuda_graphs)
-        checkpoint = checkpoint or ("never" if graphs else default_checkpoint(schedule))
+        modes = _checkpoint_modes(
+            checkpoint or ("never" if graphs else default_checkpoint(schedule)), len(balance)
+        )
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
         _check_loss_fn(loss_fn)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        checkpoint_stop(checkpoint, chunks)
         if schedule in GENERATORS and schedule not in RUNNABLE:
             raise ValueError(
                 f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
@@ -178,31 +184,48 @@ class PipelineConfig:
             )
         return cls(
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
-            checkpoint=checkpoint, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
+            checkpoint=modes, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, precision=precision, autocast_dtype=dtype,
             clip_grad_norm=clip_grad_norm, weight_stashing=weight_stashing,
             weight_prediction=weight_prediction, compensation=compensation,
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
-            trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
+            trace=trace or os.environ.get("PIPETRAIN_TRACE") or None,
+            progress=progress_option(progress),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
             cuda_graphs=graphs,
         )
 
 
+def _checkpoint_modes(checkpoint: str | Sequence[str], stages: int) -> str | tuple[str, ...]:
+    """``checkpoint`` checked: one mode, or one per stage (a tuple unless they are all one)."""
+    if isinstance(checkpoint, str):
+        checkpoint_stop(checkpoint, 1)
+        return checkpoint
+    modes = tuple(checkpoint)
+    if len(modes) != stages:
+        raise ValueError(
+            f"checkpoint lists {len(modes)} modes for {stages} stages; give one per stage, "
+            "or one string for all"
+        )
+    for mode in modes:
+        checkpoint_stop(mode, 1)
+    return modes[0] if len(set(modes)) == 1 else modes
+
+
 def _from_plan(
     plan: Plan, balance: Sequence[int] | None, chunks: int | None, schedule: str | None,
-    checkpoint: str | None,
-) -> tuple[Sequence[int], int, str, str | None, int | None]:
-    """The plan's balance, and its micro-batch count, schedule and checkpoint mode where the
-    caller left them out (a different balance is refused); and the ranks it runs the stages
-    on when its schedule is the one in force."""
+    checkpoint: str | Sequence[str] | None,
+) -> tuple[Sequence[int], int, str, str | Sequence[str], int | None]:
+    """The plan's balance, and its micro-batch count, schedule and per-stage checkpoint modes
+    where the caller left them out (a different balance is refused); and the ranks it runs
+    the stages on when its schedule is the one in force."""
     if balance is not None and list(balance) != plan.balance:
         raise ValueError(f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one")
     chunks = plan.microbatches if chunks is None else chunks
     schedule = schedule or plan.schedule
     planned_ranks = plan.pipeline_ranks if schedule == plan.schedule else None
-    return plan.balance, chunks, schedule, checkpoint or plan.checkpoint, planned_ranks
+    return plan.balance, chunks, schedule, checkpoint or plan.checkpoints, planned_ranks
 
 
 def _check_loss_fn(loss_fn: object) -> None:
@@ -221,12 +244,13 @@ def _check_loss_fn(loss_fn: object) -> None:
 
 
 def _check_asynchronous_options(
-    schedule: str, checkpoint: str | None, weight_stashing: bool,
+    schedule: str, checkpoint: str | Sequence[str] | None, weight_stashing: bool,
     weight_prediction: str | None, delay_compensation: object,
 ) -> None:
     """Recomputation is refused under the asynchronous schedules, their weight options under
     the others."""
-    if schedule in ASYNCHRONOUS and checkpoint not in (None, "never"):
+    modes = [checkpoint] if checkpoint is None or isinstance(checkpoint, str) else checkpoint
+    if schedule in ASYNCHRONOUS and set(modes) - {None, "never"}:
         raise ValueError(
             f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
             f"activation recomputation (checkpoint={checkpoint!r}) would read the live "

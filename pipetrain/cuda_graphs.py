@@ -63,7 +63,8 @@ def check_mode(mode: object) -> bool | str:
 
 
 def pipeline_refusal(
-    schedule: Schedule, checkpoint: str, track_memory: bool, deferred_batch_norm: bool
+    schedule: Schedule, checkpoint: str | tuple[str, ...], track_memory: bool,
+    deferred_batch_norm: bool,
 ) -> str | None:
     """Why no stage of this pipeline can replay graphs (None: nothing in the way)."""
     if schedule.asynchronous:
@@ -76,7 +77,7 @@ def pipeline_refusal(
             f"schedule {schedule.name!r} splits the backward into B and W passes, which "
             "make_graphed_callables captures as one"
         )
-    if checkpoint != "never":
+    if checkpoint != "never":  # one mode for every stage, or one per stage
         return (
             f"checkpoint={checkpoint!r} recomputes forwards inside the backward; capture needs "
             "checkpoint='never'"

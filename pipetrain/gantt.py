@@ -28,9 +28,26 @@ def pyplot() -> Any:
     return plt
 
 
+STEP_COLOUR = "0.6"  # optimizer steps: grey
+
+
+def legend(kinds: set[Kind]) -> list[tuple[str, int | str, str | None]]:
+    """(label, colour, hatch) of each kind of bar drawn: a micro-batch's forward in the dark
+    shade of its colour, its backward in the light one (hatched: weight gradients, W), and the
+    optimizer step in grey. Colours stand for micro-batches, so the legend shows the shades
+    of micro-batch 0 (an int: a colour of the tab20 map; a str: a matplotlib colour)."""
+    entries: list[tuple[str, int | str, str | None, Kind]] = [
+        ("forward (dark shade)", 0, None, Kind.FORWARD),
+        ("backward (light shade)", 1, None, Kind.BACKWARD),
+        ("weight gradient (W)", 1, "//", Kind.WEIGHT),
+        ("optimizer step", STEP_COLOUR, None, Kind.STEP),
+    ]
+    return [(label, colour, hatch) for label, colour, hatch, kind in entries if kind in kinds]
+
+
 def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path:
     """One panel per (title, spans), stacked, sharing the time axis (ms from each panel's
-    start). Forward bars are light, backward bars dark, optimizer steps grey."""
+    start), with a legend of the bars (:func:`legend`)."""
     plt = pyplot()
     rows = max((s.lane for _, spans in panels for s in spans), default=0) + 1
     by_rank = any(s.rank is not None for _, spans in panels for s in spans)
@@ -46,7 +63,7 @@ def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path
             a = s.action
             if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
                 continue
-            colour: object = "0.6"  # optimizer steps
+            colour: object = STEP_COLOUR
             if a.kind is not Kind.STEP:
                 colour = colours((2 * a.microbatch + (a.kind is not Kind.FORWARD)) % 20)
             start, width = (s.start - origin) * 1e3, s.duration * 1e3
@@ -62,8 +79,23 @@ def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path
         ax.invert_yaxis()
         ax.set_title(f"{title} — bubble {bubble_fraction(spans):.1%}", fontsize=10)
     axes[-1, 0].set_xlabel(f"ms ({micro} micro-batches)")
+    _add_legend(plt, fig, {s.action.kind for _, spans in panels for s in spans})
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def _add_legend(plt: Any, fig: Any, kinds: set[Kind]) -> None:
+    """The legend of ``kinds``' bars, below the figure."""
+    from matplotlib.patches import Patch
+
+    colours = plt.get_cmap("tab20")
+    handles = [
+        Patch(facecolor=colours(c) if isinstance(c, int) else c, hatch=hatch, label=label,
+              edgecolor="white")
+        for label, c, hatch in legend(kinds)
+    ]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=len(handles), fontsize=8, frameon=False)

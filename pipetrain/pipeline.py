@@ -37,7 +37,7 @@ from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
 from pipetrain.planning import warn_other_microbatch
 from pipetrain.precision import LossScaler
-from pipetrain.progress import Progress, logger, memory_label, peak_memory
+from pipetrain.progress import Progress, logger, memory_kind, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.stage_module import PipelineLayers
@@ -101,20 +101,24 @@ class Pipeline:
     """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
 
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
-    micro-batch count and checkpoint mode unless those are passed too; a plan made for another
-    model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
-    schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
-    ``checkpoint`` holds the mode in force, ``config`` every option as resolved
+    micro-batch count and each stage's checkpoint mode unless those are passed too; a plan made
+    for another model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation
+    recomputation as the schedule needs it (``stage.default_checkpoint``: "except_last" under
+    "gpipe", else "never"). ``checkpoint`` takes one mode for every stage or a list of one per
+    stage (as a plan made under a memory cap may choose); the attribute ``checkpoint`` holds the
+    mode in force (a tuple when stages differ), ``config`` every option as resolved
     (pipetrain/config.py).
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
     (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
     ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
     writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
-    rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
-    for a bar); ``metrics`` holds them after every step on every rank. Its ``peak_memory`` has
-    a figure per device of this process ("cuda:N": the GPU's peak allocation, "cpu(process)":
-    the process's peak resident set, which stages sharing the process share), and on the
-    first rank of a multi-process run with ``progress``, one per rank ("rankN").
+    rank. ``progress=True`` prints each step's metrics on the first rank,
+    ``progress=pipetrain.Progress(every=N, total=T)`` every N steps with a bar up to step T
+    (a bare number is refused as ambiguous); ``metrics`` holds them after every step on every
+    rank. Its ``peak_memory`` has a figure per device of this process ("cuda:N": the GPU's
+    peak allocation, "cpu(process)": the process's peak resident set, which stages sharing the
+    process share; ``peak_memory_kind`` says which: "allocated" or "RSS"), and on the first
+    rank of a multi-process run with ``progress``, one per rank ("rankN").
     ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
     steps are done), and with ``checkpoint_every=N`` saves one every N steps.
     Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
@@ -170,7 +174,7 @@ class Pipeline:
         plan: str | os.PathLike | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
-        checkpoint: str | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         loss_fn: LossFn | None = None,
         optimizer: OptimizerFactory | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -180,7 +184,7 @@ class Pipeline:
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
         trace: str | os.PathLike | None = None,
-        progress: bool | int = False,
+        progress: bool | Progress = False,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
@@ -328,7 +332,8 @@ class Pipeline:
             )
         stage = Stage(
             module=module, index=index, count=len(parts), offset=offset, device=device,
-            optimizer=config.optimizer, loss_fn=config.loss_fn, checkpoint=config.checkpoint,
+            optimizer=config.optimizer, loss_fn=config.loss_fn,
+            checkpoint=config.stage_checkpoint(index),
             track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
             split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
             autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
@@ -380,17 +385,17 @@ class Pipeline:
         self._recorders = (
             self._start_tracing() if config.trace else [None] * len(self.transports)
         )
-        self._progress = (
-            Progress(None if config.progress is True else int(config.progress))
-            if config.progress else None
-        )
+        self._progress = config.progress
         self.metrics: dict = {}
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
         self._unchecked_microbatch = config.planned_microbatch  # to compare with the first step's
-        if config.checkpoint_dir is not None:
-            self.load(config.checkpoint_dir)
+        if config.checkpoint_dir is not None and self.load(config.checkpoint_dir) is not None:
+            if self._coordinator:  # said by default: a run that starts at step N is no surprise
+                (self._progress or Progress()).note(
+                    f"pipetrain: resumed from step {self.step} of {config.checkpoint_dir}"
+                )
 
     def _start_tracing(self) -> list[Recorder | None]:
         if self._threads is not None:
@@ -553,6 +558,7 @@ class Pipeline:
         memory = [float(peak_memory(s.device)) for s in self.stages]
         # One figure per device this process tells apart; a CPU's is the whole process's.
         peaks = {memory_label(s.device): m for s, m in zip(self.stages, memory, strict=True)}
+        kind = memory_kind(self.stages[0].device)
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
             peaks = {f"rank{r}": m for r, m in zip(self._ranks, memory, strict=True)}
@@ -564,6 +570,7 @@ class Pipeline:
             "stage_bubble": bubbles,
             "stage_peak_memory": memory,
             "peak_memory": peaks,
+            "peak_memory_kind": kind,
             **extra,
         }
         logger.debug("step %d: %s", self.step, self.metrics)

@@ -23,6 +23,10 @@ with which layers share a process. Train with an allocator that keeps freed memo
 tcmalloc, or glibc tuned with ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` and
 ``MALLOC_MMAP_THRESHOLD_``; see ``benchmarks/plan_quality.py``) for predictions to hold.
 
+A layer whose repeats lay far apart (``LayerCost.spread``, :meth:`partitioner.Profile.noisy`)
+was timed on a busy machine, or with threads competing for cores: :func:`profile` warns
+(:class:`ProfileNoiseWarning`) naming it, since a time off several-fold moves the plan.
+
 The model is left as it was found: its train/eval mode, its buffers (BatchNorm statistics), its
 parameters' ``.grad`` and the random number generators are restored afterwards. With ``device``
 the model is moved there (in place) first.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +56,33 @@ OPTIMIZER_STATE = {
     "adam": 2,
     "adamw": 2,
 }
+
+
+class ProfileNoiseWarning(UserWarning):
+    """Some layer's timed repeats lay far apart: its times are not to be trusted."""
+
+
+def noise_message(profile: Profile, repeats: int, more: str, threads: str) -> str | None:
+    """What to say of ``profile``'s noisy layers (None if there are none), with the ways to
+    more repeats (``more``) and fewer threads (``threads``) worded for the caller."""
+    noisy = profile.noisy()
+    if not noisy:
+        return None
+    named = ", ".join(
+        f"layer {i} ({profile.layers[i].name}) {profile.layers[i].spread:.0%}" for i in noisy
+    )
+    return (
+        f"the timed repeats of {named} lay far apart ((slowest - fastest) / median over "
+        f"{repeats} repeats): the machine was busy or threads competed for its cores, and "
+        f"such times can be off several-fold; profile again with {more}, on a quieter "
+        f"machine, or with {threads}"
+    )
+
+
+def spread(times: list[float]) -> float:
+    """(slowest - fastest) / median of ``times`` (0 for a single or an all-zero list)."""
+    middle = statistics.median(times)
+    return (max(times) - min(times)) / middle if middle > 0 else 0.0
 
 
 def tensors_of(value: object) -> list[torch.Tensor]:
@@ -219,7 +251,8 @@ def profile(
     ``optimizer`` sets the optimizer state per parameter: "sgd" none, "momentum", "rmsprop"
     and "adagrad" one copy of the parameters, "adam" and "adamw" two. ``device``: where to run
     (the model is moved there); by default where the model's parameters are. A layer that
-    fails raises ValueError naming the layer and the input it was given.
+    fails raises ValueError naming the layer and the input it was given. Noisy timings warn
+    (:class:`ProfileNoiseWarning`), naming the layers.
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"profile takes an nn.Sequential, got {type(model).__name__}")
@@ -243,7 +276,6 @@ def profile(
         raise ValueError("the sample input's batch (dimension 0) is empty")
     value = _map(sample_input, lambda t: t.to(where))
     names, counts = layer_signature(model)
-    state_factor = OPTIMIZER_STATE[optimizer]
     runs: list[_LayerRun] = []
     with _preserved(model, where), torch.enable_grad():
         model.train()
@@ -261,6 +293,25 @@ def profile(
         for sweep in range(1, warmup + repeats):
             for run in runs:
                 run.run(where, record=sweep >= warmup)
+    result = Profile(
+        device=device_name(where),
+        batch_size=batch_size,
+        layers=_layer_costs(runs, counts, outputs, OPTIMIZER_STATE[optimizer]),
+        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
+    )
+    more = max(2 * repeats, 10)
+    said = noise_message(
+        result, repeats, f"more repeats (repeats={more})", "fewer threads (torch.set_num_threads)"
+    )
+    if said is not None:
+        warnings.warn(said, ProfileNoiseWarning, stacklevel=2)
+    return result
+
+
+def _layer_costs(
+    runs: list[_LayerRun], counts: list[int], outputs: list[int], state_factor: int
+) -> list[LayerCost]:
+    """Each timed layer's costs: median times, their spread, output and weight bytes."""
     layers = []
     for run, count, size in zip(runs, counts, outputs, strict=True):
         params = list(run.layer.parameters())
@@ -275,11 +326,7 @@ def profile(
                 param_count=count,
                 param_bytes=param_bytes,
                 optimizer_state_bytes=state_factor * trained,
+                spread=spread([f + b for f, b in zip(run.forward, run.backward, strict=True)]),
             )
         )
-    return Profile(
-        device=device_name(where),
-        batch_size=batch_size,
-        layers=layers,
-        input_bytes=sum(t.numel() * t.element_size() for t in inputs),
-    )
+    return layers

@@ -385,15 +385,24 @@ def simulated_twin(
 def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
     """Merge ``folder``'s rank traces into ``trace.json`` (Chrome/Perfetto) and, with
     matplotlib, ``timeline.png`` (measured step beside its simulated twin); return what was
-    written and the measured and simulated bubble fractions of that step."""
+    written, the step drawn (``step`` counted from 0; negative from the end, -1 the last) and
+    the measured and simulated bubble fractions of that step."""
     traces = load_folder(folder)
+    steps = min(len(t.steps) for t in traces)
+    if not -steps <= step < steps:
+        raise ValueError(
+            f"{folder} holds {steps} traced steps (0..{steps - 1}); pick one of them, or -1 "
+            "for the last"
+        )
+    step %= steps
     out = Path(folder)
     (out / "trace.json").write_text(json.dumps(chrome_trace(traces)))
     measured, twin = step_spans(traces, step), simulated_twin(traces, step)
     result = {
         "trace": out / "trace.json",
         "ranks": len(traces),
-        "steps": min(len(t.steps) for t in traces),
+        "steps": steps,
+        "step": step,
         "measured_bubble": bubble_fraction(measured),
         "simulated_bubble": bubble_fraction(twin),
         "overhead": step_overheads(traces, step),

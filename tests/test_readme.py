@@ -1,4 +1,5 @@
-"""Run the README's code blocks as a user would, so they cannot rot.
+"""Run the README's code blocks, and those of the docs it sends users to (``DOCS``), as a user
+would, so they cannot rot; and check that every Markdown file's code fences close.
 
 Every ```python and ```bash block runs in a fresh folder that sees the repository's
 `examples/` and `benchmarks/` (as a user running from a clone does), blocks one after another
@@ -79,6 +80,27 @@ def command(block: Block, folder: Path) -> list[str]:
 
 
 README_BLOCKS = blocks((ROOT / "README.md").read_text())
+DOCS = ("docs/training-options.md",)  # guides with runnable blocks, besides the README
+DOC_BLOCKS = [(doc, block) for doc in DOCS for block in blocks((ROOT / doc).read_text())]
+
+
+@pytest.mark.parametrize(
+    "path", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+)
+def test_code_fences_close(path: str) -> None:
+    """An unclosed fence turns the rest of the page into code."""
+    fences = [
+        n for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+        if line.lstrip().startswith("```")
+    ]
+    assert len(fences) % 2 == 0, f"{path}: the fence on line {fences[-1]} is never closed"
+
+
+def test_the_readme_links_every_runnable_doc() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for doc in DOCS:
+        assert f"]({doc})" in readme, f"README.md does not link {doc}"
+        assert any(d == doc for d, _ in DOC_BLOCKS), f"{doc} has no runnable block"
 
 
 def test_readme_has_blocks() -> None:
@@ -101,6 +123,30 @@ def test_every_named_script_exists() -> None:
             assert (ROOT / path).is_file(), f"README line {block.line} names missing {path}"
 
 
+def unguarded_prints(code: str) -> list[str]:
+    """Lines that print outside any ``if`` (so on every rank of a torchrun block)."""
+    lines = code.splitlines()
+    found = []
+    for n, line in enumerate(lines):
+        if "print(" not in line or line.lstrip().startswith("#"):
+            continue
+        depth = len(line) - len(line.lstrip())
+        outer = [
+            x.lstrip() for x in lines[:n] if x.strip() and len(x) - len(x.lstrip()) < depth
+        ]
+        if not any(x.startswith("if ") for x in outer[-1:]):
+            found.append(line.strip())
+    return found
+
+
+def test_torchrun_blocks_print_on_one_rank() -> None:
+    """Two ranks printing at once interleave their lines."""
+    for block in README_BLOCKS:
+        first = block.code.splitlines()[0] if block.code else ""
+        if TORCHRUN.match(first) and "resume.py" not in first:  # resume: each rank's step
+            assert not unguarded_prints(block.code), f"README line {block.line}"
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One working folder for all blocks, with the clone's examples and benchmarks in it."""
@@ -114,6 +160,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "block", README_BLOCKS[1:], ids=[f"line{b.line}-{b.lang}" for b in README_BLOCKS[1:]]
 )
 def test_readme_block_runs(block: Block, folder: Path) -> None:
+    run_block("README.md", block, folder)
+
+
+@pytest.mark.parametrize(
+    ("doc", "block"), DOC_BLOCKS, ids=[f"{d}-line{b.line}" for d, b in DOC_BLOCKS]
+)
+def test_doc_block_runs(doc: str, block: Block, folder: Path) -> None:
+    run_block(doc, block, folder)
+
+
+def run_block(doc: str, block: Block, folder: Path) -> None:
+    """Run ``block`` of ``doc`` in ``folder`` as a user would; it must exit 0."""
     if block.skip:
         pytest.skip(block.skip)
     path = os.pathsep.join([str(ROOT), str(folder)])
@@ -123,6 +181,6 @@ def test_readme_block_runs(block: Block, folder: Path) -> None:
         timeout=TIMEOUT,
     )
     assert done.returncode == 0, (
-        f"README block at line {block.line} failed ({done.returncode}):\n"
+        f"{doc} block at line {block.line} failed ({done.returncode}):\n"
         f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )

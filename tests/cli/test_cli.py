@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import Plan, Profile
+from partitioner import Plan, Profile, format_bytes
 from partitioner.pipedream import DATA_DIR
 from pipetrain.cli import main
 from pipetrain.planning import layer_signature
@@ -79,7 +79,7 @@ def test_profile_plan_simulate_agree(profile_path, tmp_path, capsys):
     assert sum(plan.balance) == 16
 
     # Every stage row of the table carries the plan's numbers.
-    row = r"^\s+(\d+)\s+(\d+)-(\d+)\s+(\S+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$"
+    row = r"^\s+(\d+)\s+(\d+)-(\d+)\s+(\S+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+ \S+)\s+(no)$"
     rows = {int(m.group(1)): m for m in re.finditer(row, out, re.M)}
     assert sorted(rows) == [0, 1]
     for t, stage in enumerate(plan.per_stage):
@@ -88,7 +88,7 @@ def test_profile_plan_simulate_agree(profile_path, tmp_path, capsys):
         assert row.group(5) == f"{sum(stage.param_counts):,}"
         assert row.group(6) == f"{stage.compute_time * 1e3:.3f}"
         assert row.group(7) == f"{stage.transfer_time * 1e3:.3f}"
-        assert row.group(8) == f"{stage.memory_bytes / 2**30:.3f}"
+        assert row.group(8) == format_bytes(stage.memory_bytes)  # adaptive units: KiB, MiB
     assert f"step {plan.step_time * 1e3:.3f} ms" in out
     assert f"bubble {plan.bubble_fraction:.1%}" in out
     assert f"{plan.samples_per_second:,.1f} samples/s" in out
@@ -135,6 +135,26 @@ def test_infeasible_cap_names_a_cap_that_works(profile_path, tmp_path, capsys):
     assert code == 0, err
     assert max(s.memory_bytes for s in Plan.load(tmp_path / "p.json").per_stage) <= cap
     assert run(f"{args} --memory {cap - 1}", capsys)[0] == 2  # and it is the smallest
+
+
+def test_plan_recomputes_when_the_cap_needs_it(profile_path, tmp_path, capsys):
+    """Issue 31, item 9: a cap that only recomputation meets is planned by default (before,
+    infeasible unless --checkpoint always), and messages name flags never already in force."""
+    args = f"plan {profile_path} --stages 2 --microbatches 4 --schedule gpipe"
+    code, _, err = run(f"{args} --checkpoint never --memory 1kB", capsys)
+    assert code == 2
+    assert "--checkpoint auto" in err and "--schedule 1f1b" in err
+    assert "checkpoint='" not in err and "checkpoint=" not in err
+    keeping = int(re.search(r"smallest memory cap that fits: --memory (\d+)", err).group(1))
+    code, out, err = run(f"{args} --memory {keeping - 1} -o {tmp_path / 'p.json'}", capsys)
+    assert code == 0, err
+    planned = Plan.load(tmp_path / "p.json")
+    assert "always" in planned.checkpoints and planned.checkpoint == "auto"
+    assert max(s.memory_bytes for s in planned.per_stage) < keeping
+    assert re.search(r"recomputing on stages \[\d", out) and re.search(r" yes$", out, re.M)
+    code, _, err = run(f"{args} --checkpoint always --memory 1kB", capsys)
+    assert code == 2 and "--checkpoint" not in err.split("smallest memory cap")[0]
+    assert "--schedule 1f1b" in err
 
 
 def test_plan_pipedream_profiles(tmp_path, capsys):

@@ -24,7 +24,7 @@ class Instance:
     cut_bytes: list[int] = field(default_factory=list)  # L + 1 positions
     allowed: list[bool] = field(default_factory=list)  # L + 1 positions
     inflight: list[int] = field(default_factory=list)
-    checkpoint: bool = False
+    checkpoint: bool | str = False  # True/"always", False/"never", or "auto" (per stage)
     speed: list[float] = field(default_factory=list)
     memory: list[int | None] = field(default_factory=list)
     bandwidth: list[float] = field(default_factory=list)
@@ -50,13 +50,25 @@ class Instance:
         }
 
 
-def stage_costs(inst: Instance, bounds: list[int], reps: list[int]) -> list[tuple[float, int]]:
-    """(time, memory) of every stage of a split, from the definitions."""
+def modes(inst: Instance) -> list[tuple[bool, ...]]:
+    """Every per-stage recomputation choice the instance allows."""
+    if inst.checkpoint == "auto":
+        return list(itertools.product([False, True], repeat=inst.stages))
+    return [(inst.checkpoint in (True, "always"),) * inst.stages]
+
+
+def stage_costs(
+    inst: Instance, bounds: list[int], reps: list[int], recompute: tuple[bool, ...] | None = None
+) -> list[tuple[float, int]]:
+    """(time, memory) of every stage of a split, from the definitions: a recomputing stage
+    runs its forward twice and keeps one micro-batch's activations."""
     out = []
     s = inst.stages
+    recompute = modes(inst)[0] if recompute is None else recompute
     for t in range(s):
         i, j, r = bounds[t], bounds[t + 1], reps[t]
-        work = sum(inst.forward[i:j]) + sum(inst.backward[i:j])
+        again = recompute[t]
+        work = sum(inst.forward[i:j]) * (2 if again else 1) + sum(inst.backward[i:j])
         grads = sum(inst.param_bytes[i:j])
         bandwidth = inst.bandwidth[0] if inst.bandwidth else float("inf")
         allreduce = 2 * (r - 1) / r * grads / bandwidth
@@ -64,25 +76,27 @@ def stage_costs(inst: Instance, bounds: list[int], reps: list[int]) -> list[tupl
         link = 2 * inst.cut_bytes[j] / inst.bandwidth[t] if t < s - 1 else 0.0
         k = inst.inflight[t]
         acts = sum(inst.activation_bytes[i:j])
-        stash = k * inst.cut_bytes[i] + (acts if inst.checkpoint else k * acts)
+        stash = k * inst.cut_bytes[i] + (acts if again else k * acts)
         out.append((max(compute, link), sum(inst.weight_bytes[i:j]) + stash))
     return out
 
 
 def splits(inst: Instance, use_caps: bool = True):
-    """Every feasible split as (bottleneck, peak memory, bounds, replicas)."""
+    """Every feasible split as (bottleneck, peak memory, bounds, replicas, recompute)."""
     n, s = len(inst.forward), inst.stages
     positions = [p for p in range(1, n) if inst.allowed[p]]
     for cuts in itertools.combinations(positions, s - 1):
         bounds = [0, *cuts, n]
-        for reps in itertools.product(range(1, inst.devices - s + 2), repeat=s):
+        for reps, again in itertools.product(
+            itertools.product(range(1, inst.devices - s + 2), repeat=s), modes(inst)
+        ):
             if sum(reps) > inst.devices:
                 continue
-            costs = stage_costs(inst, bounds, list(reps))
+            costs = stage_costs(inst, bounds, list(reps), again)
             caps = inst.memory if use_caps else [None] * s
             if any(c is not None and m > c for (_, m), c in zip(costs, caps, strict=True)):
                 continue
-            yield max(t for t, _ in costs), max(m for _, m in costs), bounds, list(reps)
+            yield max(t for t, _ in costs), max(m for _, m in costs), bounds, list(reps), again
 
 
 def optimum(inst: Instance, use_caps: bool = True) -> tuple[float, int] | None:
@@ -90,8 +104,8 @@ def optimum(inst: Instance, use_caps: bool = True) -> tuple[float, int] | None:
     found = list(splits(inst, use_caps))
     if not found:
         return None
-    best = min(b for b, _, _, _ in found)
-    return best, min(m for b, m, _, _ in found if b <= best * (1 + 1e-9) + 1e-15)
+    best = min(split[0] for split in found)
+    return best, min(split[1] for split in found if split[0] <= best * (1 + 1e-9) + 1e-15)
 
 
 def random_instance(
@@ -142,4 +156,4 @@ def random_instance(
 
 def least_memory(inst: Instance) -> int | None:
     """The least peak memory of any split, caps and time ignored."""
-    return min((m for _, m, _, _ in splits(inst, use_caps=False)), default=None)
+    return min((split[1] for split in splits(inst, use_caps=False)), default=None)

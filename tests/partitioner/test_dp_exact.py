@@ -34,7 +34,7 @@ def _check(inst: Instance) -> None:
     assert got.peak_memory == want[1]
     assert sum(got.balance) == len(inst.forward) and min(got.balance) >= 1
     assert all(inst.allowed[b] for b in got.bounds)
-    costs = stage_costs(inst, list(got.bounds), list(got.replicas))
+    costs = stage_costs(inst, list(got.bounds), list(got.replicas), tuple(got.recompute))
     assert max(t for t, _ in costs) == pytest.approx(got.bottleneck, rel=1e-9, abs=1e-12)
 
 

@@ -119,7 +119,7 @@ def test_check_model_says_what_differs() -> None:
         result.check_model(names, grown)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("checkpoint", ["never", "auto", "always"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_infeasible_cap_names_the_cap_that_fits(schedule: str, checkpoint: str) -> None:
     profile = _profile()
@@ -145,9 +145,10 @@ def test_checkpointing_and_1f1b_need_less_memory_than_gpipe() -> None:
         assert err.value.smallest_cap is not None
         return err.value.smallest_cap
 
-    gpipe = peak(schedule="gpipe")
-    assert peak(schedule="1f1b") < gpipe
+    gpipe = peak(schedule="gpipe", checkpoint="never")
+    assert peak(schedule="1f1b", checkpoint="never") < gpipe
     assert peak(schedule="gpipe", checkpoint="always") < gpipe
+    assert peak(schedule="gpipe") == peak(schedule="gpipe", checkpoint="always")  # auto
 
 
 def test_memory_cap_changes_the_split_when_it_binds() -> None:

@@ -6,6 +6,7 @@ model is refused, naming the difference."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -119,7 +120,60 @@ def _train_from_plan(rank: int, world: int, path: str) -> dict:
         model(), plan=path, loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60
     )
     losses = [pipe.train_step(x, y) for x, y in data()]
-    return {"state": pipe.module.state_dict(), "losses": losses, "balance": pipe.balance}
+    return {
+        "state": pipe.module.state_dict(), "losses": losses, "balance": pipe.balance,
+        "checkpoint": pipe.stages[0].checkpoint,
+    }
+
+
+@pytest.fixture(scope="module")
+def mixed_plan_path(tmp_path_factory, measured):
+    """A GPipe plan whose first stage keeps its activations and whose second recomputes them,
+    as the planner chooses under a cap that only the second stage's activations break."""
+    planned = make_plan(measured, stages=2, microbatches=CHUNKS, schedule="gpipe")
+    stages = [planned.per_stage[0], replace(planned.per_stage[1], checkpoint="always")]
+    path = tmp_path_factory.mktemp("mixed") / "plan.json"
+    replace(planned, per_stage=stages).save(path)
+    return path
+
+
+def test_a_plan_recomputing_on_one_stage_trains_exactly(mixed_plan_path):
+    """Each stage runs the plan's own mode (stage 1's ledger keeps fewer bytes than without
+    recomputation, stage 0's the same), and training equals one process (1e-5: fp32, only the
+    summation order of micro-batch gradients differs)."""
+    x, y = data(1)[0]
+
+    def pipeline(**options) -> pipetrain.Pipeline:
+        return pipetrain.Pipeline(
+            model(), plan=mixed_plan_path, devices=["cpu", "cpu"], track_memory=True,
+            loss_fn=nn.functional.cross_entropy, optimizer=sgd, **options,
+        )
+
+    pipe = pipeline()
+    assert pipe.checkpoint == ("never", "always")
+    assert [s.checkpoint for s in pipe.stages] == ["never", "always"]
+    losses = [pipe.train_step(x, y) for x, y in data()]
+    expected_state, expected_losses = reference()
+    assert_same_state(pipe.module.state_dict(), expected_state)
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+    keeping = pipeline(checkpoint="never")
+    keeping.train_step(x, y)
+    fresh = pipeline(checkpoint=["never", "always"])
+    fresh.train_step(x, y)
+    kept = [[s.ledger.peak_bytes for s in p.stages] for p in (fresh, keeping)]
+    assert kept[0][0] == kept[1][0] and kept[0][1] < kept[1][1]
+    with pytest.raises(ValueError, match="checkpoint lists 3 modes for 2 stages"):
+        pipeline(checkpoint=["always", "never", "never"])
+
+
+def test_a_plan_recomputing_on_one_stage_trains_exactly_in_processes(mixed_plan_path):
+    per_rank = values(run_ranks(_train_from_plan, 2, str(mixed_plan_path), deadline=90))
+    assert [r["checkpoint"] for r in per_rank] == ["never", "always"]
+    state = {**per_rank[0]["state"], **per_rank[1]["state"]}
+    expected_state, expected_losses = reference()
+    assert_same_state({k: state[k] for k in expected_state}, expected_state)
+    for result in per_rank:
+        assert result["losses"] == pytest.approx(expected_losses, abs=1e-6)
 
 
 def test_plan_drives_two_gloo_processes(plan_path):

@@ -267,7 +267,7 @@ def test_single_process_mode_traces_too(tmp_path):
 
 
 def test_metrics_and_progress_lines(capsys):
-    pipe = pipeline(mlp(), [6, 6], chunks=4, progress=STEPS)
+    pipe = pipeline(mlp(), [6, 6], chunks=4, progress=Progress(total=STEPS))
     for x, y in batches(STEPS):
         loss = pipe.train_step(x, y)
     metrics = pipe.metrics
@@ -288,7 +288,8 @@ def test_single_process_mode_reports_memory_per_device(capsys):
     assert list(peaks) == ["cpu(process)"]
     assert 0 < peaks["cpu(process)"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     line = capsys.readouterr().err.strip()
-    figure = f"peak cpu(process)={peaks['cpu(process)'] / 2**20:.0f}MiB"
+    assert pipe.metrics["peak_memory_kind"] == "RSS"
+    figure = f"peak RSS cpu(process)={peaks['cpu(process)'] / 2**20:.0f}MiB"
     assert figure in line.split(" | "), line
 
 class _Terminal(io.StringIO):
