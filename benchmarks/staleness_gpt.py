@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.delayed import DelayedPipeline
+from pipetrain.optim import nadamw
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]
@@ -39,6 +40,20 @@ UNIGRAM = 3.0  # nats: the held-out loss of byte frequencies alone; below it a m
 SPIKE, SPIKE_WINDOW = 1.25, 5
 PREDICT = dict(weight_prediction="momentum", delay_compensation=None)
 SYNC = dict(schedule="1f1b")
+
+
+def adamw(lr: float):
+    """The task's optimizer: AdamW as examples/train_gpt.py (betas 0.9 / 0.95, decay 0.1)."""
+    return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def nesterov(lr: float):
+    """The Nesterov method's NAdamW (pipetrain.optim.nadamw, momentum 0.99) with the task's
+    beta2 and weight decay."""
+    return nadamw(lr, beta2=0.95, weight_decay=0.1)
+
+
+OPTIMIZERS = {"adamw": adamw, "nadamw": nesterov}
 # name: (DelayedPipeline options, other run_gpt arguments, the row it is compared with)
 DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
     "synchronous": (SYNC, {}, ""),
@@ -95,11 +110,13 @@ def run_gpt(
     options: dict, lrs: list[float], seeds: int, updates: int, *,
     lags: list[int] | None = None, balance: list[int] = BALANCE,
     stage_scale: list[float] | None = None, unit: int = 1, oracle: bool = False,
+    optimizer: str = "adamw",
 ) -> dict[str, list[float]]:
     """Held-out loss and loss spikes per (lr, seed) after ``updates`` micro-batches of data,
     with DelayedPipeline ``options`` (``lags``: its per-stage lags), an update per ``unit``
-    micro-batches, stage s's learning rate ``stage_scale[s]`` times the schedule's, and
-    (``oracle``) the fresh gradients of :class:`FreshGradients`."""
+    micro-batches, stage s's learning rate ``stage_scale[s]`` times the schedule's,
+    (``oracle``) the fresh gradients of :class:`FreshGradients`, and ``optimizer`` (a key of
+    OPTIMIZERS)."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import models
@@ -114,8 +131,7 @@ def run_gpt(
         model = models.gpt(dim=64, blocks=4, heads=4, context=CONTEXT, seed=seed, tied=False)
         pipe = (FreshGradients if oracle else DelayedPipeline)(
             model, balance, loss_fn=models.lm_loss,
-            optimizer=lambda ps, lr=lr: torch.optim.AdamW(ps, lr=lr, betas=(0.9, 0.95),
-                                                          weight_decay=0.1),
+            optimizer=OPTIMIZERS[optimizer](lr),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lr_factor(steps, max(steps // 10, 1))),
             lags=lags, **{"schedule": "pipedream", **options},
