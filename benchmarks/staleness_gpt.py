@@ -39,6 +39,7 @@ CONTEXT, MICRO, EVAL_BATCHES = 64, 8, 8
 UNIGRAM = 3.0  # nats: the held-out loss of byte frequencies alone; below it a model has learnt
 SPIKE, SPIKE_WINDOW = 1.25, 5
 PREDICT = dict(weight_prediction="momentum", delay_compensation=None)
+STASH = dict(weight_prediction=None, delay_compensation=None)
 SYNC = dict(schedule="1f1b")
 
 
@@ -58,8 +59,7 @@ OPTIMIZERS = {"adamw": adamw, "nadamw": nesterov}
 DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
     "synchronous": (SYNC, {}, ""),
     "PipeDream, prediction (AdamW's default)": (PREDICT, {}, "synchronous"),
-    "PipeDream, stashing": (dict(weight_prediction=None, delay_compensation=None), {},
-                            "synchronous"),
+    "PipeDream, stashing": (STASH, {}, "synchronous"),
     "every stage 3 late (one consistent delay)": (PREDICT, dict(lags=[3, 3, 3, 3]),
                                                   "synchronous"),
     "first stage (embedding + block) 3 late": (PREDICT, dict(lags=[3, 0, 0, 0]), "synchronous"),
@@ -77,6 +77,11 @@ DIAGNOSIS: dict[str, tuple[dict, dict, str]] = {
     "2BW (lag 1), update per 4 micro-batches": (
         dict(schedule="pipedream-2bw", **PREDICT), dict(unit=4),
         "synchronous, update per 4 micro-batches"),
+    "synchronous, NAdamW 0.99": (SYNC, dict(optimizer="nadamw"), "synchronous"),
+    "PipeDream, Nesterov (NAdamW 0.99, stashing)": (
+        STASH, dict(optimizer="nadamw"), "synchronous, NAdamW 0.99"),
+    "first stage 3 late, Nesterov (NAdamW 0.99)": (
+        STASH, dict(optimizer="nadamw", lags=[3, 0, 0, 0]), "synchronous, NAdamW 0.99"),
 }
 
 

@@ -410,18 +410,27 @@ THROUGHPUT = {  # on top of PLAIN
 }
 
 
-def throughput_part(rounds: int, steps: int, batch: int) -> None:
+THROUGHPUT_NESTEROV = {  # issue 32: the method against synchronous 1F1B and AdamW's default
+    "1f1b (AdamW)": dict(schedule="1f1b", optimizer="adamw"),
+    "predict (AdamW)": dict(weight_prediction="momentum", optimizer="adamw"),
+    "nesterov (NAdamW)": dict(optimizer="nadamw"),
+}
+
+
+def throughput_part(rounds: int, steps: int, batch: int, methods: list[str]) -> None:
+    """Median per-step time of each method, and its speed against the first one named."""
+    table = {**THROUGHPUT, **THROUGHPUT_NESTEROV}
     configs = {
-        name: dict(chunks=8, schedule="pipedream", **{**PLAIN, **options})
-        for name, options in THROUGHPUT.items()
+        name: {"chunks": 8, "schedule": "pipedream", **PLAIN, **table[name]}
+        for name in methods
     }
     medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
-    print(f"\nthroughput, PipeDream over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
+    print(f"\nthroughput, 2 stages over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
           f"batch {batch} in 8 micro-batches; median per-step time over {rounds} rounds of "
           f"{steps} steps")
-    print(f"{'method':<22} {'s/step':>8} {'speed vs predict':>17}")
+    print(f"{'method':<22} {'s/step':>8} {'speed vs ' + methods[0]:>24}")
     for name, t in medians.items():
-        print(f"{name:<22} {t:>8.4f} {medians['predict'] / t:>16.3f}x")
+        print(f"{name:<22} {t:>8.4f} {medians[methods[0]] / t:>23.3f}x")
 
 
 def main() -> None:
@@ -440,6 +449,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--methods", nargs="+",
+                        default=["predict", *(m for m in THROUGHPUT if m != "predict")],
+                        choices=[*THROUGHPUT, *THROUGHPUT_NESTEROV],
+                        help="throughput: the first is the baseline")
     args = parser.parse_args()
     if args.part == "accuracy":
         accuracy_part(args.optimizers, args.variants, args.seeds, args.epochs, args.updates,
@@ -447,7 +460,7 @@ def main() -> None:
     if args.part in ("accuracy", "report"):
         report(args.raw, args.markdown, args.png)
     if args.part == "throughput":
-        throughput_part(args.rounds, args.steps, args.batch)
+        throughput_part(args.rounds, args.steps, args.batch, args.methods)
 
 
 if __name__ == "__main__":
