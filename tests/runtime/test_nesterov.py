@@ -177,3 +177,11 @@ def test_resume_without_the_optimizer_state_differs(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointing, "_optimizer_state", without_state)
     straight, again = resumed_run(tmp_path, tokens(4))
     assert any(not torch.equal(again[key], value) for key, value in straight.items())
+
+
+@pytest.mark.parametrize("options", [dict(momentum=1.0), dict(beta2=-0.1), dict(lr=0.0),
+                                     dict(weight_decay=-1.0), dict(momentum_decay=0.0)])
+def test_bad_settings_are_refused_with_the_fix(options):
+    settings = {"lr": 0.01, **options}
+    with pytest.raises(ValueError, match="nadamw: .*(0.99|positive)"):
+        pipetrain.optim.nadamw(**settings)
