@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.delayed import DelayedPipeline
-from pipetrain.optim import nadamw
+from pipetrain.optim import CONSTANT, nadamw
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]
@@ -52,14 +52,14 @@ def adamw(lr: float):
 
 def nesterov(lr: float):
     """The Nesterov method's NAdamW (pipetrain.optim.nadamw, momentum 0.99) with the task's
-    beta2 and weight decay."""
-    return nadamw(lr, beta2=0.95, weight_decay=0.1)
+    beta2 and weight decay, its momentum held constant (no warm-up)."""
+    return nadamw(lr, beta2=0.95, weight_decay=0.1, momentum_decay=CONSTANT)
 
 
 def nesterov_warmup(lr: float):
-    """As :func:`nesterov` with torch's momentum warm-up (momentum_decay 0.004), the setting
-    of the authors' run script."""
-    return nadamw(lr, beta2=0.95, weight_decay=0.1, momentum_decay=0.004)
+    """As :func:`nesterov` with torch's momentum warm-up (momentum_decay 0.004, nadamw's
+    default), the setting of the authors' code."""
+    return nadamw(lr, beta2=0.95, weight_decay=0.1)
 
 
 OPTIMIZERS = {"adamw": adamw, "nadamw": nesterov, "nadamw-warmup": nesterov_warmup}

@@ -26,8 +26,8 @@ and lr), which is what makes the sweep affordable on a shared 2-core machine. Va
   sync-1f1b        one synchronous update per mini-batch of 64 (reference of the 2BW rows)
   2bw-default, 2bw, 2bw-predict, 2bw-spike+predict, 2bw-lag-momentum+predict,
   2bw-spike+lag-momentum+predict   PipeDream-2BW (lag 1) as above
-  sync-nadamw      sync-micro with the Nesterov method's NAdamW (momentum 0.99) in AdamW's place
-  nesterov         the Nesterov method (issue 32): PipeDream, stashing, NAdamW at 0.99
+  sync-nadamw      sync-micro with the Nesterov method's NAdamW (momentum 0.99, held constant)
+  nesterov         the Nesterov method (issue 32): PipeDream, stashing, NAdamW at 0.99 (constant)
 
 The second task (``--optimizers gpt``, benchmarks/staleness_gpt.py) is a small byte-level GPT
 on the bundled King James text with AdamW, one (lr, seed) run after another, for the
@@ -63,7 +63,7 @@ from ranks import spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH
 from staleness_gpt import UNIGRAM, run_gpt
 
-from pipetrain.optim import nadamw
+from pipetrain.optim import CONSTANT, nadamw
 
 PIPEDREAM = {  # on top of PLAIN: each variant names every remedy it applies
     "sync-micro": dict(schedule="1f1b"),
@@ -193,7 +193,7 @@ def run_variant(variant: str, kind: str, lrs: list[float], seeds: int, epochs: i
                   for r in range(len(pairs))]
         groups = [g for g in groups if g["params"]]
         if name == "nadamw":
-            return nadamw(groups[0]["lr"], weight_decay=0.01)(groups)
+            return nadamw(groups[0]["lr"], weight_decay=0.01, momentum_decay=CONSTANT)(groups)
         return torch.optim.AdamW(groups, lr=groups[0]["lr"], weight_decay=0.01)
 
     unit, options = VARIANTS[variant]

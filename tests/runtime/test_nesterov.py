@@ -21,19 +21,27 @@ import pipetrain
 from examples.models import gpt, lm_loss
 from pipetrain import checkpointing
 from pipetrain.delayed import DelayedPipeline
-from pipetrain.optim import CONSTANT, nadamw
+from pipetrain.optim import nadamw
 from tests.runtime.models import batches, mlp
 
-LR, MU, BETA2, EPS, DECAY = 0.01, 0.99, 0.999, 1e-8, 0.1
+LR, MU, BETA2, EPS, DECAY, WARMUP = 0.01, 0.99, 0.999, 1e-8, 0.1, 0.004
+
+
+def momentum(t: int, warmup: float = WARMUP) -> float:
+    """NAdam's momentum at update t: mu (1 - 0.5 * 0.96^(t warmup)), mu from t large on."""
+    return MU * (1 - 0.5 * 0.96 ** (t * warmup))
 
 
 def method(w: torch.Tensor, g: torch.Tensor, state: dict, lr: float = LR) -> torch.Tensor:
     """One update of the method, from its equations: decoupled decay, then Adam's moments and
-    the Nesterov look-ahead mu m_t / (1 - mu^(t+1)) + (1 - mu) g / (1 - mu^t)."""
+    the Nesterov look-ahead mu_(t+1) m_t / (1 - prod_(i<=t+1) mu_i) + (1 - mu_t) g / (1 -
+    prod_(i<=t) mu_i)."""
     t = state["t"] = state.get("t", 0) + 1
+    product = state["product"] = state.get("product", 1.0) * momentum(t)
     m = state["m"] = MU * state.get("m", torch.zeros_like(w)) + (1 - MU) * g
     v = state["v"] = BETA2 * state.get("v", torch.zeros_like(w)) + (1 - BETA2) * g * g
-    look_ahead = MU * m / (1 - MU ** (t + 1)) + (1 - MU) * g / (1 - MU**t)
+    look_ahead = (momentum(t + 1) * m / (1 - product * momentum(t + 1))
+                  + (1 - momentum(t)) * g / (1 - product))
     return w * (1 - lr * DECAY) - lr * look_ahead / ((v / (1 - BETA2**t)).sqrt() + EPS)
 
 
@@ -50,7 +58,8 @@ def test_the_update_follows_the_equations():
         optimizer.step()
         expected = method(expected, w.grad, state)
         assert torch.allclose(w.detach(), expected, rtol=0, atol=1e-7)
-    assert float(optimizer.state[w]["mu_product"]) == pytest.approx(MU**3, abs=1e-7)
+    product = momentum(1) * momentum(2) * momentum(3)
+    assert float(optimizer.state[w]["mu_product"]) == pytest.approx(product, abs=1e-7)
 
 
 def test_a_late_stage_applies_the_method_to_its_stashed_weights():
@@ -98,13 +107,14 @@ def tokens(steps: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]
 
 def test_lag_zero_is_synchronous_nadamw():
     """A one-stage PipeDream (lag 0, an update per micro-batch) with nadamw equals torch's NAdam
-    with decoupled weight decay at a constant momentum of 0.99, stepped in one process on each
-    micro-batch; dropout off (eval) so that both draw nothing at random."""
+    with decoupled weight decay at momentum 0.99 (torch's momentum warm-up, as the authors'
+    code), stepped in one process on each micro-batch; dropout off (eval) so that both draw
+    nothing at random."""
     data, chunks = tokens(3), 2
     model = tiny_gpt()
     plain = copy.deepcopy(model).eval()
     optimizer = torch.optim.NAdam(plain.parameters(), lr=LR, betas=(MU, BETA2), eps=EPS,
-                                  weight_decay=DECAY, momentum_decay=CONSTANT,
+                                  weight_decay=DECAY, momentum_decay=WARMUP,
                                   decoupled_weight_decay=True)
     for x, y in data:
         for k in range(0, len(x), len(x) // chunks):
