@@ -202,14 +202,21 @@ def time_pipelines(
     import torch.distributed as dist
 
     import pipetrain
+    from pipetrain.optim import nadamw
 
     init_rank(rank, 2, port, 300)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, WIDTH, generator=g), torch.randn(batch, WIDTH, generator=g)
+    optimizers = {  # a config's "optimizer" names one (default SGD with momentum)
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
+        "nadamw": nadamw(1e-4),
+    }
     pipes = {
         key: pipetrain.Pipeline(
             linear_model(), [BLOCKS, BLOCKS], loss_fn=mse, timeout=120,
-            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9), **options,
+            optimizer=optimizers[options.get("optimizer", "sgd")],
+            **{k: v for k, v in options.items() if k != "optimizer"},
         )
         for key, options in configs.items()
     }

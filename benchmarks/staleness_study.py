@@ -26,6 +26,8 @@ and lr), which is what makes the sweep affordable on a shared 2-core machine. Va
   sync-1f1b        one synchronous update per mini-batch of 64 (reference of the 2BW rows)
   2bw-default, 2bw, 2bw-predict, 2bw-spike+predict, 2bw-lag-momentum+predict,
   2bw-spike+lag-momentum+predict   PipeDream-2BW (lag 1) as above
+  sync-nadamw      sync-micro with the Nesterov method's NAdamW (momentum 0.99, held constant)
+  nesterov         the Nesterov method (issue 32): PipeDream, stashing, NAdamW at 0.99 (constant)
 
 The second task (``--optimizers gpt``, benchmarks/staleness_gpt.py) is a small byte-level GPT
 on the bundled King James text with AdamW, one (lr, seed) run after another, for the
@@ -61,6 +63,8 @@ from ranks import spawn_ranks
 from schedules_throughput import BLOCKS, WIDTH
 from staleness_gpt import UNIGRAM, run_gpt
 
+from pipetrain.optim import CONSTANT, nadamw
+
 PIPEDREAM = {  # on top of PLAIN: each variant names every remedy it applies
     "sync-micro": dict(schedule="1f1b"),
     "default": dict(weight_prediction="auto", delay_compensation="auto"),
@@ -95,19 +99,27 @@ TWO_BW = {
                                            delay_compensation="spike+lag-momentum",
                                            weight_prediction="momentum"),
 }
+NESTEROV = {  # issue 32: NAdamW (pipetrain.optim.nadamw) in AdamW's place; digits and GPT only
+    "sync-nadamw": dict(schedule="1f1b", optimizer="nadamw"),
+    "nesterov": dict(optimizer="nadamw"),
+}
+PIPEDREAM.update(NESTEROV)
 VARIANTS = {**{k: ("micro", v) for k, v in PIPEDREAM.items()},
             **{k: ("mini", v) for k, v in TWO_BW.items()}}
 REFERENCE = {**{v: "sync-micro" for v in PIPEDREAM}, **{v: "sync-1f1b" for v in TWO_BW}}
 LRS = {"sgd": [0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08],
        "adamw": [0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032],
-       "gpt": [0.0003, 0.001, 0.003, 0.01, 0.03]}
+       "gpt": [0.0003, 0.001, 0.003, 0.01, 0.03, 0.1]}
 TITLES = {"sgd": "digits, SGD momentum 0.9", "adamw": "digits, AdamW (weight decay 0.01)",
           "gpt": "GPT on KJV bytes, AdamW"}
 GPT_VARIANTS = ["sync-micro", "stash", "predict", "spike+predict", "lag-lr+predict",
-                "lag-momentum+predict"]  # the default under AdamW is "predict"
+                "lag-momentum+predict", *NESTEROV]  # the default under AdamW is "predict"
 BALANCE = [2, 2, 2, 1]
 TRAINS, GOAL = 90.0, 0.5  # sync accuracy (%) from which the goal applies; allowed gap (points)
 GPT_GOAL = 2.0  # allowed held-out loss above the reference (%) wherever it is below UNIGRAM
+# issue 32's goal for the Nesterov method against synchronous AdamW: (at the best lr of each,
+# at every lr where synchronous training trains), in % of the GPT's loss or digits' points
+NESTEROV_GOAL = {"gpt": (1.0, 3.0), "adamw": (1.0, 1.0)}
 
 
 def _ensemble(seeds: list[int], stacked: bool):
@@ -180,10 +192,13 @@ def run_variant(variant: str, kind: str, lrs: list[float], seeds: int, epochs: i
         groups = [{"params": [p for p in params if member[id(p)] == r], "lr": pairs[r][0]}
                   for r in range(len(pairs))]
         groups = [g for g in groups if g["params"]]
+        if name == "nadamw":
+            return nadamw(groups[0]["lr"], weight_decay=0.01, momentum_decay=CONSTANT)(groups)
         return torch.optim.AdamW(groups, lr=groups[0]["lr"], weight_decay=0.01)
 
     unit, options = VARIANTS[variant]
     options = {"schedule": "pipedream", **PLAIN, **options}
+    name = options.pop("optimizer", kind)
     weights = torch.tensor([lr if stacked else 1.0 for lr, _ in pairs])
     pipe = DelayedPipeline(model, BALANCE, loss_fn=_loss(weights), optimizer=optimizer,
                            **options)
@@ -207,7 +222,7 @@ def run_variant(variant: str, kind: str, lrs: list[float], seeds: int, epochs: i
 
 
 def accuracy_part(kinds: list[str], variants: list[str], seeds: int, epochs: int,
-                  updates: int, raw: Path) -> None:
+                  updates: int, raw: Path, jobs: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
@@ -215,11 +230,14 @@ def accuracy_part(kinds: list[str], variants: list[str], seeds: int, epochs: int
     results = json.loads(raw.read_text()) if raw.exists() else {}
     for kind in kinds:
         for variant in variants:
-            if kind == "gpt" and variant not in GPT_VARIANTS:
+            if (kind == "gpt" and variant not in GPT_VARIANTS
+                    or kind == "sgd" and variant in NESTEROV):
                 continue
             start = time.perf_counter()
             if kind == "gpt":
-                run = {**run_gpt({**PLAIN, **PIPEDREAM[variant]}, LRS[kind], seeds, updates),
+                options = {**PLAIN, **PIPEDREAM[variant]}
+                name = options.pop("optimizer", "adamw")
+                run = {**run_gpt(options, LRS[kind], seeds, updates, optimizer=name, jobs=jobs),
                        "updates": updates}
             else:
                 run = {**run_variant(variant, kind, LRS[kind], seeds, epochs, data),
@@ -245,6 +263,14 @@ def _difference(kind: str, mine: float, ref: float) -> float:
     return 100 * (mine / ref - 1) if kind == "gpt" else mine - ref
 
 
+def _cell(kind: str, mine: dict[float, float], ref: dict[float, float], lr: float) -> str:
+    """A table cell: the difference to the reference at ``lr`` ("-" where either did not run
+    it), or the value itself where there is no reference."""
+    if lr not in mine or ref and lr not in ref:
+        return "-"
+    return f"{_difference(kind, mine[lr], ref[lr]):+.1f}" if ref else f"{mine[lr]:.3g}"
+
+
 def _behind(kind: str, mine: float, ref: float) -> float:
     """How far behind the reference, in the table's unit (negative: ahead)."""
     return _difference(kind, mine, ref) * (1 if kind == "gpt" else -1)
@@ -258,7 +284,8 @@ def goal_met(results: dict, kind: str, variant: str) -> bool | None:
     if not mine or not held:
         return None  # nothing to compare, or the reference trains nowhere
     limit = GPT_GOAL if kind == "gpt" else GOAL
-    return all(_behind(kind, mine[lr], ref[lr]) <= limit for lr in held)  # ahead is no miss
+    return all(_behind(kind, mine[lr], ref[lr]) <= limit  # ahead is no miss
+               for lr in held if lr in mine)
 
 
 def _legend(kind: str, meta: dict) -> list[str]:
@@ -274,6 +301,48 @@ def _legend(kind: str, meta: dict) -> list[str]:
             f"{TRAINS:g} %.\n"]
 
 
+def nesterov_lines(results: dict, kind: str) -> list[str]:
+    """Issue 32's comparison: synchronous AdamW and NAdamW, AdamW's asynchronous default and
+    the Nesterov method, each at its own best lr, then the method at every lr against both
+    synchronous runs, and whether it meets NESTEROV_GOAL."""
+    default = "predict" if kind == "gpt" else "default"
+    rows = {"sync-micro": "synchronous AdamW", "sync-nadamw": "synchronous NAdamW 0.99",
+            default: "PipeDream, AdamW's default (prediction)",
+            "nesterov": "PipeDream, Nesterov (NAdamW 0.99, stashing)"}
+    means = {v: _means(results, kind, v) for v in rows}
+    if not all(means.values()):
+        return []
+    best = {v: (min if kind == "gpt" else max)(m.items(), key=lambda item: item[1])
+            for v, m in means.items()}
+    digits = 3 if kind == "gpt" else 1
+    unit = "%" if kind == "gpt" else "points"
+    lines = [f"\n#### {TITLES[kind]}: the Nesterov method (issue 32)\n",
+             f"Each at its own best lr (difference to synchronous AdamW's best, {unit}):\n",
+             "| run | best | at lr | vs synchronous AdamW |", "|---|---|---|---|"]
+    ref = best["sync-micro"][1]
+    for v, label in rows.items():
+        lr, value = best[v]
+        lines.append(f"| {label} | {value:.{digits}f} | {lr:g} | "
+                     f"{_difference(kind, value, ref):+.1f} |")
+    lines += ["", f"The method at every lr (difference, {unit}):\n",
+              "| against | " + " | ".join(f"lr {lr:g}" for lr in LRS[kind]) + " |",
+              "|---|" + "---|" * len(LRS[kind])]
+    mine = means["nesterov"]
+    for v in ("sync-micro", "sync-nadamw"):
+        lines.append(f"| {rows[v]} | " + " | ".join(
+            _cell(kind, mine, means[v], lr) for lr in LRS[kind]) + " |")
+    at_best, everywhere = NESTEROV_GOAL[kind]
+    trains = [lr for lr, a in means["sync-micro"].items()
+              if (a < UNIGRAM if kind == "gpt" else a >= TRAINS)]
+    worst = max(_behind(kind, mine[lr], means["sync-micro"][lr]) for lr in trains if lr in mine)
+    gap = _behind(kind, best["nesterov"][1], ref)
+    met = gap <= at_best and worst <= everywhere
+    lines.append(f"\nGoal (best within {at_best:g}, every lr where synchronous AdamW trains "
+                 f"within {everywhere:g} {unit}): {'met' if met else 'not met'}: its best is "
+                 f"{gap:+.1f} behind, its worst lr {worst:+.1f} behind (negative: ahead).")
+    return lines
+
+
 def report(raw: Path, markdown: Path, png: Path) -> None:
     results = json.loads(raw.read_text())
     lines = []
@@ -287,13 +356,14 @@ def report(raw: Path, markdown: Path, png: Path) -> None:
         for v in names:
             mine, ref = _means(results, kind, v), _means(results, kind, REFERENCE[v])
             if v == REFERENCE[v]:
-                cells = [f"**{mine[lr]:.{3 if kind == 'gpt' else 1}f}**" for lr in LRS[kind]]
+                cells = [f"**{mine[lr]:.{3 if kind == 'gpt' else 1}f}**" if lr in mine else "-"
+                         for lr in LRS[kind]]
                 met = ""
             else:
-                cells = [f"{_difference(kind, mine[lr], ref[lr]):+.1f}" if ref
-                         else f"{mine[lr]:.3g}" for lr in LRS[kind]]
+                cells = [_cell(kind, mine, ref, lr) for lr in LRS[kind]]
                 met = {True: "yes", False: "no", None: "n/a"}[goal_met(results, kind, v)]
             lines.append(f"| {v} | " + " | ".join(cells) + f" | {met} |")
+        lines += nesterov_lines(results, kind)
     markdown.write_text(markdown.read_text().split("<!-- table -->")[0] + "<!-- table -->\n"
                         + "\n".join(lines) + "\n" if markdown.exists() else "\n".join(lines))
     print("\n".join(lines))
@@ -349,18 +419,27 @@ THROUGHPUT = {  # on top of PLAIN
 }
 
 
-def throughput_part(rounds: int, steps: int, batch: int) -> None:
+THROUGHPUT_NESTEROV = {  # issue 32: the method against synchronous 1F1B and AdamW's default
+    "1f1b (AdamW)": dict(schedule="1f1b", optimizer="adamw"),
+    "predict (AdamW)": dict(weight_prediction="momentum", optimizer="adamw"),
+    "nesterov (NAdamW)": dict(optimizer="nadamw"),
+}
+
+
+def throughput_part(rounds: int, steps: int, batch: int, methods: list[str]) -> None:
+    """Median per-step time of each method, and its speed against the first one named."""
+    table = {**THROUGHPUT, **THROUGHPUT_NESTEROV}
     configs = {
-        name: dict(chunks=8, schedule="pipedream", **{**PLAIN, **options})
-        for name, options in THROUGHPUT.items()
+        name: {"chunks": 8, "schedule": "pipedream", **PLAIN, **table[name]}
+        for name in methods
     }
     medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
-    print(f"\nthroughput, PipeDream over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
+    print(f"\nthroughput, 2 stages over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
           f"batch {batch} in 8 micro-batches; median per-step time over {rounds} rounds of "
           f"{steps} steps")
-    print(f"{'method':<22} {'s/step':>8} {'speed vs predict':>17}")
+    print(f"{'method':<22} {'s/step':>8} {'speed vs ' + methods[0]:>24}")
     for name, t in medians.items():
-        print(f"{name:<22} {t:>8.4f} {medians['predict'] / t:>16.3f}x")
+        print(f"{name:<22} {t:>8.4f} {medians[methods[0]] / t:>23.3f}x")
 
 
 def main() -> None:
@@ -373,20 +452,25 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=10, help="digits")
     parser.add_argument("--updates", type=int, default=600, help="GPT")
+    parser.add_argument("--jobs", type=int, default=1, help="GPT: runs in parallel processes")
     parser.add_argument("--raw", type=Path, default=Path("docs/staleness.json"))
     parser.add_argument("--markdown", type=Path, default=Path("docs/staleness.md"))
     parser.add_argument("--png", type=Path, default=Path("docs/staleness.png"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--methods", nargs="+",
+                        default=["predict", *(m for m in THROUGHPUT if m != "predict")],
+                        choices=[*THROUGHPUT, *THROUGHPUT_NESTEROV],
+                        help="throughput: the first is the baseline")
     args = parser.parse_args()
     if args.part == "accuracy":
         accuracy_part(args.optimizers, args.variants, args.seeds, args.epochs, args.updates,
-                      args.raw)
+                      args.raw, args.jobs)
     if args.part in ("accuracy", "report"):
         report(args.raw, args.markdown, args.png)
     if args.part == "throughput":
-        throughput_part(args.rounds, args.steps, args.batch)
+        throughput_part(args.rounds, args.steps, args.batch, args.methods)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from pipetrain import optim
 from pipetrain.checkpointing import consolidate
 from pipetrain.compensation import DelayCompensation
 from pipetrain.distributed import init_distributed, shutdown
@@ -38,6 +39,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "init_distributed",
+    "optim",
     "shutdown",
     "profile",
     "restarted",
