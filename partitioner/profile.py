@@ -20,6 +20,9 @@ JSON format (``version`` 1)::
       "boundaries": null
     }
 
+A layer may also carry ``"timed_as": "NAME"``: its times are those measured on the layer NAME
+(an identical block earlier in the same run, timed once by a profile of a meta-device model).
+
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
 whose outputs cross the cut after layer i (a branched graph), and whether the cut may be used.
@@ -46,7 +49,9 @@ class LayerCost:
 
     ``forward``/``backward`` are seconds; ``activation_bytes`` is the size of this layer's output
     (what is stashed for backward and what crosses a stage boundary after it);
-    ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32.
+    ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32. ``timed_as``
+    names the layer whose measured times this one reuses (an identical block earlier in the
+    same run of blocks, timed once), or is None where the layer was timed itself.
     """
 
     name: str
@@ -56,6 +61,7 @@ class LayerCost:
     param_count: int
     param_bytes: int
     optimizer_state_bytes: int = 0
+    timed_as: str | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward", "backward"):
@@ -124,7 +130,7 @@ class Profile:
             "device": self.device,
             "batch_size": self.batch_size,
             "input_bytes": self.input_bytes,
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [_layer_dict(layer) for layer in self.layers],
             "boundaries": None
             if self.boundaries is None
             else [{"sources": list(b.sources), "allowed": b.allowed} for b in self.boundaries],
@@ -153,6 +159,14 @@ class Profile:
             return cls.from_json(Path(path).read_text())
         except ProfileError as err:
             raise ProfileError(f"{path}: {err}") from None
+
+
+def _layer_dict(layer: LayerCost) -> dict[str, Any]:
+    """A layer as JSON; ``timed_as`` only where times were reused (files stay as they were)."""
+    data = asdict(layer)
+    if data["timed_as"] is None:
+        del data["timed_as"]
+    return data
 
 
 def _require(

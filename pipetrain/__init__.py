@@ -12,8 +12,9 @@ from pipetrain.errors import (
     PipelineError,
     StageError,
 )
+from pipetrain.lazy import init_layers
+from pipetrain.meta_profile import profile
 from pipetrain.pipeline import Pipeline
-from pipetrain.profiler import profile
 from pipetrain.weights import PredictionError
 
 try:
@@ -33,6 +34,7 @@ __all__ = [
     "__version__",
     "consolidate",
     "init_distributed",
+    "init_layers",
     "shutdown",
     "profile",
 ]
