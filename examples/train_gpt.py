@@ -89,9 +89,11 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def build_model(args: argparse.Namespace) -> nn.Sequential:
+def build_model(args: argparse.Namespace, device: str | None = None) -> nn.Sequential:
+    """The GPT; on ``device="meta"`` shapes only, each rank then materializing its own stage
+    with the weights the eager build gets (pipetrain's per-layer rule from ``--seed``)."""
     return gpt(dim=args.dim, blocks=args.blocks, heads=args.heads, context=args.context,
-               dropout=args.dropout, seed=args.seed)
+               dropout=args.dropout, seed=args.seed, device=device)
 
 
 def lr_factor(steps: int, warmup: int):
@@ -174,7 +176,7 @@ def evaluate_pipelined(pipe: pipetrain.Pipeline, held_out: list, last_rank: int)
 def train_pipelined(args: argparse.Namespace) -> None:
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
-    model = build_model(args)
+    model = build_model(args, device="meta")  # no rank builds the whole model
     if args.plan:
         plan = partitioner.Plan.load(args.plan)
         args.batch = args.batch or plan.microbatches * plan.microbatch_size
@@ -188,7 +190,7 @@ def train_pipelined(args: argparse.Namespace) -> None:
     pipe = pipetrain.Pipeline(
         model, plan=plan, schedule=schedule, chunks=args.chunks, loss_fn=lm_loss,
         optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
-        clip_grad_norm=args.clip, precision=args.precision,
+        clip_grad_norm=args.clip, precision=args.precision, init_seed=args.seed,
     )
     last_rank = pipe.schedule.rank_of(pipe.num_stages - 1)
     train, held = load_corpus()
