@@ -5,9 +5,10 @@
         --input-dtype int64 --input-high 256 -o profile.json
 
 Both build deterministically from ``seed``, so every process of a pipeline builds the same
-weights (``gpt`` by pipetrain's per-layer rule, which a meta-device build shares). Their layers are deliberately uneven, which is what a planner is for:
-``resnet_like`` spends most of its time in its first, full-resolution layers and ends in a run of
-cheap layers, so splitting it by layer count puts nearly all the work on the first stage;
+weights (``gpt`` by pipetrain's per-layer rule, which a meta-device build shares). Their
+layers are deliberately uneven, which is what a planner is for: ``resnet_like`` spends most
+of its time in its first, full-resolution layers and ends in a run of cheap layers, so
+splitting it by layer count puts nearly all the work on the first stage;
 ``gpt`` is a small GPT-2-shaped language model whose head shares the embedding's weight.
 """
 
