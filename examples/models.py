@@ -4,17 +4,22 @@
     pipetrain profile examples.models:gpt --input-shape 16,64 \
         --input-dtype int64 --input-high 256 -o profile.json
 
-Both build deterministically from ``seed`` (torch.manual_seed), so every process of a pipeline
-builds the same weights. Their layers are deliberately uneven, which is what a planner is for:
-``resnet_like`` spends most of its time in its first, full-resolution layers and ends in a run of
-cheap layers, so splitting it by layer count puts nearly all the work on the first stage;
+Both build deterministically from ``seed``, so every process of a pipeline builds the same
+weights (``gpt`` by pipetrain's per-layer rule, which a meta-device build shares). Their
+layers are deliberately uneven, which is what a planner is for: ``resnet_like`` spends most
+of its time in its first, full-resolution layers and ends in a run of cheap layers, so
+splitting it by layer count puts nearly all the work on the first stage;
 ``gpt`` is a small GPT-2-shaped language model whose head shares the embedding's weight.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
+
+import pipetrain
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -109,6 +114,12 @@ class Embedding(nn.Module):
             )
         return self.dropout(self.tokens(ids) + self.positions[: ids.shape[1]])
 
+    def reset_parameters(self) -> None:
+        """GPT-2's start, N(0, 0.02), for the token and the position tables (also what
+        pipetrain's per-layer rule calls on a model built on the meta device)."""
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions, std=0.02)
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees only itself and earlier ones."""
@@ -149,6 +160,11 @@ class Block(nn.Module):
         x = x + self.dropout(self.attention(self.norm1(x)))
         return x + self.dropout(self.mlp(self.norm2(x)))
 
+    def reset_parameters(self) -> None:
+        """GPT-2's start: every projection N(0, 0.02) with zero biases (the norms keep their
+        own reset, which runs first)."""
+        _gpt2_linears(self)
+
 
 class Head(nn.Module):
     """Final norm and the projection to the vocabulary, whose weight is the token embedding's
@@ -165,6 +181,19 @@ class Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(self.norm(x))
 
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) for the projection; tied, it keeps the embedding's value (the first
+        layer holding a shared weight initializes it)."""
+        _gpt2_linears(self)
+
+
+def _gpt2_linears(module: nn.Module) -> None:
+    for part in module.modules():
+        if isinstance(part, nn.Linear):
+            nn.init.normal_(part.weight, std=0.02)
+            if part.bias is not None:
+                nn.init.zeros_(part.bias)
+
 
 def gpt(
     vocab: int = 256,
@@ -175,25 +204,27 @@ def gpt(
     dropout: float = 0.0,
     seed: int = 0,
     tied: bool = True,
+    device: str | torch.device | None = None,
 ) -> nn.Sequential:
     """A decoder-only language model (GPT-2's shape): token + position embedding, ``blocks``
     pre-norm causal self-attention blocks, and a head tied to the token embedding, so a split
     puts one weight on the first and the last stage (``tied=False``: a head of its own, for the
     asynchronous schedules, which do not take tied weights). Input: token ids (batch, time <=
     context), int64; output: logits (batch, time, vocab); train with :func:`lm_loss`. The
-    default vocabulary of 256 reads text as bytes. Weights start as GPT-2's: N(0, 0.02)."""
-    torch.manual_seed(seed)
-    embedding = Embedding(vocab, dim, context, dropout)
-    layers: list[nn.Module] = [embedding]
-    layers += [Block(dim, heads, dropout) for _ in range(blocks)]
-    layers.append(Head(embedding, tied))
+    default vocabulary of 256 reads text as bytes. Weights start as GPT-2's, N(0, 0.02), by
+    pipetrain's per-layer rule (pipetrain.init_layers: layer i seeded from ``seed`` and i, then
+    the modules' reset_parameters()), so a pipeline of this model built on the meta device
+    (``device="meta"``: shapes only, no memory) with ``Pipeline(..., init_seed=seed)`` gets
+    these very weights on any split. A meta model is returned uninitialized."""
+    with torch.device(device) if device is not None else nullcontext():
+        embedding = Embedding(vocab, dim, context, dropout)
+        layers: list[nn.Module] = [embedding]
+        layers += [Block(dim, heads, dropout) for _ in range(blocks)]
+        layers.append(Head(embedding, tied))
     model = nn.Sequential(*layers)
-    for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-    nn.init.normal_(embedding.positions, std=0.02)
+    if not pipetrain.lazy.is_meta(model):
+        pipetrain.init_layers(model, seed)
+    torch.manual_seed(seed)  # the same generator state after an eager and a meta build
     return model
 
 

@@ -107,9 +107,11 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def build_model(args: argparse.Namespace) -> nn.Sequential:
+def build_model(args: argparse.Namespace, device: str | None = None) -> nn.Sequential:
+    """The GPT; on ``device="meta"`` shapes only, each rank then materializing its own stage
+    with the weights the eager build gets (pipetrain's per-layer rule from ``--seed``)."""
     return gpt(dim=args.dim, blocks=args.blocks, heads=args.heads, context=args.context,
-               dropout=args.dropout, seed=args.seed)
+               dropout=args.dropout, seed=args.seed, device=device)
 
 
 def lr_factor(steps: int, warmup: int):
@@ -252,7 +254,7 @@ def train_steps(pipe: pipetrain.Pipeline, args: argparse.Namespace, train: torch
 def train_pipelined(args: argparse.Namespace) -> None:
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
-    model = build_model(args)
+    model = build_model(args, device="meta")  # no rank builds the whole model
     plan = partitioner.Plan.load(args.plan) if args.plan else None
     ranks = ranks_per_pipeline(args, plan, world)
     replicas = world // ranks
@@ -263,7 +265,7 @@ def train_pipelined(args: argparse.Namespace) -> None:
     pipe = pipetrain.Pipeline(
         model, plan=plan, schedule=schedule, chunks=args.chunks, replicas=replicas,
         loss_fn=lm_loss, optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
-        clip_grad_norm=args.clip, precision=args.precision,
+        clip_grad_norm=args.clip, precision=args.precision, init_seed=args.seed,
     )
     resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume)
     train, held = load_corpus()

@@ -21,6 +21,9 @@ JSON format (``version`` 1)::
       "boundaries": null
     }
 
+A layer may also carry ``"timed_as": "NAME"``: its times are those measured on the layer NAME
+(an identical block earlier in the same run, timed once by a profile of a meta-device model).
+
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
 whose outputs cross the cut after layer i (a branched graph), and whether the cut may be used.
@@ -53,7 +56,9 @@ class LayerCost:
     (what is stashed for backward and what crosses a stage boundary after it);
     ``optimizer_state_bytes`` is e.g. 2 x ``param_bytes`` for Adam in fp32; ``spread`` is
     (slowest - fastest) / median of the timed repeats' forward + backward (0: one repeat, or
-    not measured), large when the machine was busy while profiling.
+    not measured), large when the machine was busy while profiling. ``timed_as`` names the
+    layer whose measured times this one reuses (an identical block earlier in the same run of
+    blocks, timed once), or is None where the layer was timed itself.
     """
 
     name: str
@@ -64,6 +69,7 @@ class LayerCost:
     param_bytes: int
     optimizer_state_bytes: int = 0
     spread: float = 0.0
+    timed_as: str | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward", "backward"):
@@ -144,7 +150,7 @@ class Profile:
             "device": self.device,
             "batch_size": self.batch_size,
             "input_bytes": self.input_bytes,
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [_layer_dict(layer) for layer in self.layers],
             "boundaries": None
             if self.boundaries is None
             else [{"sources": list(b.sources), "allowed": b.allowed} for b in self.boundaries],
@@ -173,6 +179,14 @@ class Profile:
             return cls.from_json(Path(path).read_text())
         except ProfileError as err:
             raise ProfileError(f"{path}: {err}") from None
+
+
+def _layer_dict(layer: LayerCost) -> dict[str, Any]:
+    """A layer as JSON; ``timed_as`` only where times were reused (files stay as they were)."""
+    data = asdict(layer)
+    if data["timed_as"] is None:
+        del data["timed_as"]
+    return data
 
 
 def _require(

@@ -13,8 +13,9 @@ from pipetrain.errors import (
     PipelineError,
     StageError,
 )
+from pipetrain.lazy import init_layers
+from pipetrain.meta_profile import profile
 from pipetrain.pipeline import Pipeline
-from pipetrain.profiler import profile
 from pipetrain.progress import Progress
 from pipetrain.restart import restarted, start_or_resume
 from pipetrain.task import TrainTask
@@ -40,6 +41,7 @@ __all__ = [
     "consolidate",
     "init_distributed",
     "optim",
+    "init_layers",
     "shutdown",
     "profile",
     "restarted",

@@ -27,11 +27,12 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from pipetrain import weightfile
 from pipetrain.compensation import Compensator
 from pipetrain.errors import CheckpointError
 from pipetrain.precision import LossScaler
@@ -236,12 +237,13 @@ def saved_after(path: Path) -> frozenset[str]:
     )
 
 
-def _read_stage(file: Path, device: torch.device) -> dict:
-    """One stage file, or a CheckpointError naming it and what is wrong with it."""
+def _read_stage(file: Path, device: torch.device, mmap: bool = False) -> dict:
+    """One stage file (memory-mapped with ``mmap``: its pages are read when used), or a
+    CheckpointError naming it and what is wrong with it."""
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
     try:
-        payload = torch.load(file, map_location=device, weights_only=True)
+        payload = torch.load(file, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # weights_only refused an object: nothing in it was run
         payload = None
     except Exception as error:  # a truncated or garbled file fails anywhere in torch.load
@@ -255,7 +257,8 @@ def _read_stage(file: Path, device: torch.device) -> dict:
     return payload
 
 
-def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
+def _stage_files(path: Path) -> list[Path]:
+    """The stage files the manifest of the checkpoint at ``path`` promises, in stage order."""
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as error:
@@ -264,7 +267,11 @@ def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
         manifest.get("version") != VERSION
     ):
         raise CheckpointError(f"{path} is not a pipetrain checkpoint of version {VERSION}")
-    return [_read_stage(path / f"stage-{s}.pt", device) for s in range(manifest["stages"])]
+    return [path / f"stage-{s}.pt" for s in range(manifest["stages"])]
+
+
+def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
+    return [_read_stage(file, device) for file in _stage_files(path)]
 
 
 def _load_files(path: Path, device: torch.device) -> list[dict]:
@@ -293,6 +300,34 @@ def _is_intact(path: Path) -> bool:
 def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The newest checkpoint in ``folder`` (or the checkpoint ``folder`` itself) as one plain
     state_dict of the original model."""
+    merged: dict[str, torch.Tensor] = {}
+    for payload in _load_files(_checkpoint(folder), torch.device("cpu")):  # the model's order
+        merged.update(payload["module"])
+    return merged
+
+
+def consolidate_safetensors(folder: str | os.PathLike, output: str | os.PathLike) -> int:
+    """Write the newest checkpoint in ``folder`` as one safetensors file of the whole model
+    (keys as in its state_dict), one stage at a time: each stage file is memory-mapped, its
+    tensors written, and it is let go before the next, so the whole model is never in memory.
+    Returns the number of tensors."""
+    files = _stage_files(_checkpoint(folder))
+    index: weightfile.Index = {}
+    for file in files:  # the header first: every tensor's dtype and shape
+        module = _read_stage(file, torch.device("cpu"), mmap=True)["module"]
+        index.update({k: (v.dtype, tuple(v.shape)) for k, v in module.items()})
+        del module
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            yield from _read_stage(file, torch.device("cpu"), mmap=True)["module"].items()
+
+    weightfile.write_safetensors(output, index, tensors())
+    return len(index)
+
+
+def _checkpoint(folder: str | os.PathLike) -> Path:
+    """The checkpoint ``folder`` is, or the newest in it; a CheckpointError if none."""
     root = Path(folder)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a folder; pass a checkpoint folder")
@@ -302,10 +337,7 @@ def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"{root} holds no checkpoint; pass the folder given to Pipeline(checkpoint_dir=...) "
             "or Pipeline.save"
         )
-    merged: dict[str, torch.Tensor] = {}
-    for payload in _load_files(path, torch.device("cpu")):  # in stage order: the model's order
-        merged.update(payload["module"])
-    return merged
+    return path
 
 
 def load(

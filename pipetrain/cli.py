@@ -17,6 +17,7 @@ planning and simulating use the torch-free ``partitioner`` and ``schedules``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -191,6 +192,7 @@ def _profile_table(profile: Profile) -> str:
             f"{layer.name:<28} {_ms(layer.forward):>10} {_ms(layer.backward):>11} "
             f"{layer.spread:>7.0%} {format_bytes(layer.activation_bytes):>11} "
             f"{layer.param_count:>11,}" + (" noisy" if i in noisy else "")
+            + (f"  (times of {layer.timed_as})" if layer.timed_as else "")
         )
     total = sum(layer.forward + layer.backward for layer in profile.layers)
     rows.append(
@@ -226,12 +228,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from pipetrain.profiler import ProfileNoiseWarning, noise_message, profile
+    from pipetrain.meta_profile import profile
+    from pipetrain.profiler import ProfileNoiseWarning, noise_message
 
     threads = args.threads or _threads_per_rank(args.ranks_per_node)
     torch.set_num_threads(threads)
     try:
-        model = factory(**kwargs)
+        with torch.device("meta") if args.meta else contextlib.nullcontext():
+            model = factory(**kwargs)
     except Exception as error:
         raise UsageError(
             f"{args.model}(**{kwargs}) failed: {type(error).__name__}: {error}"
@@ -249,6 +253,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 warmup=args.warmup,
                 repeats=args.repeats,
                 device=args.device,
+                reuse_times=args.reuse_times,
             )
     except (ValueError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -529,23 +534,28 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    """Save the newest checkpoint in a folder as one plain state_dict of the whole model."""
+    """Save the newest checkpoint in a folder as one plain state_dict of the whole model:
+    safetensors (written a stage at a time) for a .safetensors output, else torch.save."""
     import warnings
 
     import torch
 
-    from pipetrain.checkpointing import consolidate
+    from pipetrain.checkpointing import consolidate, consolidate_safetensors
 
     output = Path(args.output)
     if not output.parent.is_dir():
         raise UsageError(f"{output.parent} does not exist; create it or write elsewhere (-o)")
     with warnings.catch_warnings(record=True) as fell_back:
         warnings.simplefilter("always")
-        state = consolidate(args.folder)
+        if output.suffix == ".safetensors":
+            count = consolidate_safetensors(args.folder, output)
+        else:
+            state = consolidate(args.folder)
+            torch.save(state, output)
+            count = len(state)
     for warning in fell_back:  # e.g. a bad `latest`: say which checkpoint was read, on one line
         print(f"{PROG} consolidate: warning: {warning.message}", file=sys.stderr)
-    torch.save(state, output)
-    print(f"{len(state)} tensors of the whole model written to {args.output}")
+    print(f"{count} tensors of the whole model written to {args.output}")
     return 0
 
 
@@ -637,6 +647,18 @@ def _add_profile_command(sub: argparse._SubParsersAction) -> None:
         "(default: $LOCAL_WORLD_SIZE, else 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="build the model on the meta device (no memory) and time one layer at a time, "
+        "for a model larger than this machine's memory",
+    )
+    p.add_argument(
+        "--reuse-times",
+        action="store_true",
+        help="with --meta: time a run of identical layers once (the profile names the layer "
+        "whose times each reuses)",
+    )
     p.add_argument("-o", "--output", help="write the profile JSON here")
     p.set_defaults(run=cmd_profile)
 
@@ -724,10 +746,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn a pipeline checkpoint into one plain state_dict",
         description="Read the newest checkpoint in FOLDER (from Pipeline.save or "
         "checkpoint_dir=...) and save the whole model's state_dict, loadable into the original "
-        "nn.Sequential.",
+        "nn.Sequential (or by Pipeline(weights=...), each rank reading its own stage). A "
+        ".safetensors output is written one stage at a time, never the whole model in memory.",
     )
     p.add_argument("folder")
-    p.add_argument("-o", "--output", required=True, help="where to torch.save the state_dict")
+    p.add_argument(
+        "-o", "--output", required=True,
+        help="FILE.safetensors (safetensors, stage by stage) or any other name (torch.save)",
+    )
     p.set_defaults(run=cmd_consolidate)
     add_train_command(sub, _import_factory)
     return parser

@@ -34,6 +34,8 @@ from pipetrain.data_parallel import GradientSync, tied_parameters
 from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Carry, Executor
+from pipetrain.layers import LayerSource
+from pipetrain.lazy import InitFn
 from pipetrain.placement import Placement, join
 from pipetrain.planning import warn_other_microbatch
 from pipetrain.precision import LossScaler
@@ -131,6 +133,15 @@ class Pipeline:
     reproducible run, the same in either mode); a recomputed micro-batch replays its forward's
     draws, and checkpoints save the streams (see pipetrain/rng.py).
 
+    A model built on the meta device (``with torch.device("meta"):``, shapes only) is never
+    built whole: each process materializes only its own stages' layers, on its device, and
+    initializes them by the per-layer rule from ``init_seed`` (layer i seeded from it and i,
+    then ``init(layer)`` or its modules' ``reset_parameters()``; pipetrain/lazy.py), so any
+    split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives a model
+    built eagerly (``init_seed`` on an eager model re-initializes it by that rule). ``weights``
+    (a whole-model ``.safetensors`` or ``.pt`` file, keys as in ``model.state_dict()``) gives
+    the values instead: each stage reads only its own tensors (pipetrain/weightfile.py).
+
     Asynchronous schedules ("pipedream", "pipedream-2bw"; see schedules/asynchronous.py) never
     flush between train_steps: ``weight_stashing`` (default True) makes a micro-batch's forward
     and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
@@ -194,6 +205,9 @@ class Pipeline:
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
         cuda_graphs: bool | str = False,
+        init_seed: int | None = None,
+        init: InitFn | None = None,
+        weights: str | os.PathLike | None = None,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -204,6 +218,8 @@ class Pipeline:
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
             delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
         )
+        self._source = LayerSource(init_seed, init, weights)
+        self._source.check(model)
         if config.deferred_batch_norm:
             model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
         parts, ties = split(model, config.balance), tied_parameters(model, config.balance)
@@ -218,7 +234,7 @@ class Pipeline:
         self._evaluation = forward_only(self.schedule)
         seeds = draw_seeds(len(parts))  # every stage's, in every process: see pipetrain/rng.py
         if devices is not None:
-            self._assemble_threads(parts, ties, devices, seeds)
+            self._assemble_threads(model, parts, ties, devices, seeds)
         else:
             self._assemble_processes(model, parts, ties, group, replicas, seeds)
         self._layers = PipelineLayers(
@@ -234,7 +250,7 @@ class Pipeline:
     # -- assembly: every stage as a thread here, or this process's stages of a torchrun job --
 
     def _assemble_threads(
-        self, parts: list[tuple[int, nn.Sequential]], ties: list[Tie],
+        self, model: nn.Sequential, parts: list[tuple[int, nn.Sequential]], ties: list[Tie],
         devices: Sequence[str | torch.device], seeds: list[int],
     ) -> None:
         """Every stage here, stage s on its rank's device, the ranks linked by a LocalHub. A
@@ -248,6 +264,10 @@ class Pipeline:
                     "put them on one device or untie the weight"
                 )
         self._refuse_unsupported(ties, replicas=1)
+        made = self._source.bring_up(
+            model, parts, {s: hub.devices[rank_of(s)] for s in range(len(parts))}
+        )
+        ties[:] = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
         self.stages = [
             self._build_stage(
                 parts, s, hub.devices[rank_of(s)], seeds[s],
@@ -281,7 +301,7 @@ class Pipeline:
                 model, balance=self.balance, chunks=config.chunks, schedule=config.schedule,
                 checkpoint=config.checkpoint, replicas=self.placement.replicas,
                 weight_stashing=config.weight_stashing,
-                weight_prediction=config.weight_prediction,
+                weight_prediction=config.weight_prediction, **self._source.settings(),
             ),
             self.placement.pipeline_group, self.placement.pipeline_ranks,
         )
@@ -291,8 +311,9 @@ class Pipeline:
         device = local_device()
         owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
                  if any(s in here for s in stages)}
-        for s in here:  # the gradient all-reduces bind their buffers on the device
-            parts[s][1].to(device)
+        # the gradient all-reduces bind their buffers on the device: the layers go there first
+        made = self._source.bring_up(model, parts, dict.fromkeys(here, device))
+        ties[:] = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
         self.stages = [
             self._build_stage(
                 parts, s, device, seeds[s],

@@ -1,0 +1,249 @@
+"""Whole-model weight files read per stage: safetensors and torch ``.pt``.
+
+Keys are those of the whole model's ``state_dict()``; a rank reads only the keys of its own
+layers. A safetensors file is an 8-byte little-endian header length, a JSON header (per key: its
+dtype, shape and byte range) and the raw bytes; it is read here straight into each parameter's
+own memory (``readinto``: no second copy, no mapped pages counted in the rank's resident
+memory), and written here tensor by tensor after a header computed from shapes alone, so a
+checkpoint is consolidated one stage at a time. This small format is implemented here rather
+than through the ``safetensors`` package for those two reasons (reading into the parameter
+itself, writing without the whole model in memory); the tests check that files round-trip with
+the package where it is installed. A ``.pt`` file is read with
+``torch.load(mmap=True, weights_only=True)``: only the pages of this rank's tensors are read.
+Hosts are assumed little-endian, as safetensors' format is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import pickle
+import struct
+import sys
+from collections.abc import Iterable, Mapping
+from io import BufferedReader
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_HEADER_LIMIT = 100 * 2**20  # a header larger than this is not a safetensors file
+
+
+class WeightFileError(ValueError):
+    """A weights file that cannot be read, or does not fit the model: says what and the fix."""
+
+
+# (dtype, shape) of a tensor in a file, by key
+Index = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def is_safetensors(path: str | os.PathLike) -> bool:
+    return Path(path).suffix == ".safetensors"
+
+
+# -- safetensors -----------------------------------------------------------------------------
+
+
+def _read_header(f: BufferedReader, path: Path) -> tuple[dict, int]:
+    """The JSON header and the offset where the data begins; clear errors for a damaged file."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise WeightFileError(f"{path} is truncated ({size} bytes): not even a safetensors header")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(_HEADER_LIMIT, size - 8):
+        raise WeightFileError(
+            f"{path} is truncated or not a safetensors file: its header claims {length} bytes "
+            f"but the file has {size}"
+        )
+    try:
+        header = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WeightFileError(f"{path} has a damaged safetensors header: {error}") from None
+    if not isinstance(header, dict):
+        raise WeightFileError(f"{path} has a damaged safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise WeightFileError(
+            f"{path} is truncated: its header describes {8 + length + end} bytes but the file "
+            f"has {size}; write it again (e.g. pipetrain consolidate ... -o {path.name})"
+        )
+    return header, 8 + length
+
+
+def _safetensors_index(path: Path) -> Index:
+    with open(path, "rb") as f:
+        header, _ = _read_header(f, path)
+    index = {}
+    for key, entry in header.items():
+        if entry["dtype"] not in DTYPES:
+            raise WeightFileError(
+                f"{path}: tensor {key!r} has dtype {entry['dtype']}, which pipetrain does not "
+                f"read (it reads {', '.join(DTYPES)})"
+            )
+        index[key] = (DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    return index
+
+
+def _read_into(f: BufferedReader, start: int, target: torch.Tensor) -> None:
+    """The bytes at ``start`` into ``target``: straight into its memory on the CPU, through a
+    buffer of that size elsewhere."""
+    host = target if target.device.type == "cpu" and target.is_contiguous() else (
+        torch.empty(target.shape, dtype=target.dtype)
+    )
+    f.seek(start)
+    view = host.reshape(-1).view(torch.uint8).numpy().data
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise WeightFileError(f"{f.name} ended early: it is truncated")
+        done += got
+    if host is not target:
+        target.copy_(host)
+
+
+def _load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
+    with open(path, "rb") as f:
+        header, data = _read_header(f, path)
+        for key, target in targets.items():
+            entry = header[key]
+            begin = data + entry["data_offsets"][0]
+            if DTYPES[entry["dtype"]] == target.dtype:
+                _read_into(f, begin, target)
+            else:  # a file of another precision: read as stored, then cast
+                stored = torch.empty(target.shape, dtype=DTYPES[entry["dtype"]])
+                _read_into(f, begin, stored)
+                target.copy_(stored)
+
+
+def write_safetensors(
+    path: str | os.PathLike, index: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """Write a safetensors file of the keys in ``index`` (in its order), taking their tensors
+    from ``tensors`` one at a time, in the same order: the file never needs them all at once."""
+    header: dict[str, dict] = {}
+    offset = 0
+    for key, (dtype, shape) in index.items():
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": NAMES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    keys = iter(index)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key, tensor in tensors:
+            expected = next(keys, None)
+            if key != expected or (tensor.dtype, tuple(tensor.shape)) != index[key]:
+                raise ValueError(f"tensor {key!r} came where {expected!r} of the index belongs")
+            f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        if next(keys, None) is not None:
+            raise ValueError("fewer tensors came than the index lists")
+
+
+# -- torch .pt -------------------------------------------------------------------------------
+
+
+def open_pt(path: Path) -> Mapping[str, torch.Tensor]:
+    """A .pt file's state_dict, memory-mapped (pages are read when a tensor is used)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise WeightFileError(
+            f"{path} holds objects other than tensors ({str(error).splitlines()[0]}); save the "
+            "state_dict alone (torch.save(model.state_dict(), path))"
+        ) from None
+    except Exception as error:  # a truncated zip fails anywhere inside torch.load
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise WeightFileError(f"{path} is damaged (truncated or overwritten?): {first}") from None
+    if not isinstance(state, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in state.values()
+    ):
+        raise WeightFileError(
+            f"{path} is not a state_dict (a mapping of names to tensors); save "
+            "model.state_dict(), or consolidate a checkpoint with `pipetrain consolidate`"
+        )
+    return state
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Drop a memory-mapped tensor's pages from this process's resident memory once copied
+    (Linux ``madvise(MADV_DONTNEED)`` on the whole pages it spans; the mapping is private and
+    never written, so a later read gets the file's bytes again). Without it a rank's peak holds
+    its share twice: the mapped pages and the parameters."""
+    if _LIBC is None:
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    low, high = -(-start // page) * page, (start + tensor.nbytes) // page * page
+    if high > low:
+        _LIBC.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+# -- both ------------------------------------------------------------------------------------
+
+
+def read_index(path: str | os.PathLike) -> Index:
+    """Every key of the file with its dtype and shape, read without the tensors' data."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightFileError(f"{path} does not exist; pass a .safetensors or .pt file")
+    if is_safetensors(path):
+        return _safetensors_index(path)
+    return {k: (v.dtype, tuple(v.shape)) for k, v in open_pt(path).items()}
+
+
+def check_index(path: str | os.PathLike, index: Index, model: nn.Module) -> None:
+    """One error listing every key the file lacks, every key the model lacks and every shape
+    that differs, against ``model``'s whole state_dict (on the meta device, or real)."""
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(wanted.keys() - index.keys())
+    unexpected = sorted(index.keys() - wanted.keys())
+    shapes = sorted(
+        f"{k}: {index[k][1]} in the file, {wanted[k]} in the model"
+        for k in wanted.keys() & index.keys() if index[k][1] != wanted[k]
+    )
+    problems = [
+        f"{what} ({len(keys)}): {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected),
+                           ("wrong shape", shapes))
+        if keys
+    ]
+    if problems:
+        raise WeightFileError(
+            f"{path} does not fit the model: " + "; ".join(problems)
+            + ". Pass the file saved from this model (keys as in model.state_dict()), or build "
+            "the model the file was saved from"
+        )
+
+
+def load_into(path: str | os.PathLike, module: nn.Module) -> None:
+    """Read the tensors of ``module``'s state_dict keys (a stage's slice, keyed as the whole
+    model) from ``path`` into them, in place."""
+    path = Path(path)
+    targets = {k: v for k, v in module.state_dict(keep_vars=True).items()}
+    with torch.no_grad():
+        if is_safetensors(path):
+            _load_safetensors(path, {k: v.data for k, v in targets.items()})
+            return
+        state = open_pt(path)
+        for key, target in targets.items():
+            target.data.copy_(state[key])
+            _release(state[key])
