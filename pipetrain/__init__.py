@@ -8,6 +8,7 @@ from pipetrain.distributed import init_distributed, shutdown
 from pipetrain.errors import (
     CheckpointError,
     CommunicationTimeout,
+    NonFiniteError,
     PeerError,
     PipelineError,
     StageError,
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationTimeout",
     "DelayCompensation",
+    "NonFiniteError",
     "PeerError",
     "Pipeline",
     "PipelineError",

@@ -23,7 +23,7 @@ from pipetrain.stage import (
     checkpoint_stop,
     default_checkpoint,
 )
-from pipetrain.update import check_options
+from pipetrain.update import check_nonfinite, check_options
 from schedules import GENERATORS
 from schedules.generators import MULTI_STAGE_PER_RANK
 
@@ -68,6 +68,7 @@ class PipelineConfig:
     precision: str
     autocast_dtype: torch.dtype | None
     clip_grad_norm: float | None
+    nonfinite: str
     weight_stashing: bool
     weight_prediction: str | None
     compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
@@ -120,6 +121,7 @@ class PipelineConfig:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
+        nonfinite: str = "skip",
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = None
@@ -145,6 +147,7 @@ class PipelineConfig:
         dtype = check_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
+        check_nonfinite(nonfinite)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
@@ -157,7 +160,7 @@ class PipelineConfig:
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
             checkpoint=checkpoint, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, precision=precision, autocast_dtype=dtype,
-            clip_grad_norm=clip_grad_norm, weight_stashing=weight_stashing,
+            clip_grad_norm=clip_grad_norm, nonfinite=nonfinite, weight_stashing=weight_stashing,
             weight_prediction=weight_prediction, compensation=compensation,
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,

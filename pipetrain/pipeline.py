@@ -8,6 +8,7 @@ schedule through the same executor.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -145,8 +146,18 @@ class Pipeline:
     (``pipe.scaler``) whose overflow check every rank agrees on (pipetrain/precision.py).
     ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
     ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
-    ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
-    "loss_scale" and "skipped_step".
+    ``metrics`` holds "lr", "skipped_step", with clipping "grad_norm" (before clipping), and
+    for fp16 "loss_scale".
+    ``nonfinite`` ("skip", the default, or "raise"; synchronous schedules): a step whose loss
+    or gradients are not finite on any stage is skipped on every rank, leaving the weights,
+    the optimizer state and the learning-rate schedule as they were; it warns, naming the step
+    and the stages, or with "raise" raises NonFiniteError (pipetrain/update.py).
+
+    No step waits for the device (a host sync on CUDA) except where one of these asks for it:
+    an optimizer that cannot skip a step on the device (only torch's fused ones, e.g.
+    ``torch.optim.AdamW(..., fused=True)``, can), an ``lr_scheduler`` or ``nonfinite="raise"``
+    (one wait per step, to decide whether to step), ``progress`` (printing needs the figures).
+    The loss ``train_step`` returns and ``metrics`` are read when the caller reads them.
     """
 
     def __init__(
@@ -176,6 +187,7 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
+        nonfinite: str = "skip",
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -184,7 +196,7 @@ class Pipeline:
             progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
-            delay_compensation=delay_compensation,
+            delay_compensation=delay_compensation, nonfinite=nonfinite,
         )
         if config.deferred_batch_norm:
             model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
@@ -323,13 +335,15 @@ class Pipeline:
         """The state of training: the step across stages (fp16's loss scale, clipping), the
         asynchronous pipeline's counters, tracing, progress, and a resumed checkpoint."""
         config = self.config
-        self.scaler = LossScaler() if config.precision == "fp16" else None
+        device = self.stages[0].device
+        self.scaler = LossScaler(device=device) if config.precision == "fp16" else None
         self._update: Update | None = None
-        if config.clip_grad_norm is not None or self.scaler is not None:
+        if not self.schedule.asynchronous:  # every rank agrees on each step (update.py)
             self._update = Update(
                 self.stages, config.clip_grad_norm, self.scaler,
                 {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
                 1 if self._threads is not None else self.placement.replicas,
+                count=self.schedule.stages, nonfinite=config.nonfinite,
             )
         self._calls = 0  # asynchronous: train_steps since the last flush
         self._fed = 0  # asynchronous: micro-batches fed so far (their global numbers)
@@ -344,7 +358,8 @@ class Pipeline:
             Progress(None if config.progress is True else int(config.progress))
             if config.progress else None
         )
-        self.metrics: dict = {}
+        self._metrics: dict = {}  # the last step's, device tensors where the device made them
+        self._read: dict | None = None  # the same as numbers, once read
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         if config.checkpoint_dir is not None:
@@ -377,9 +392,15 @@ class Pipeline:
     def num_stages(self) -> int:
         return self.schedule.stages
 
-    def train_step(self, x: microbatch.Batch | None, y: microbatch.Batch | None) -> float:
+    def train_step(
+        self, x: microbatch.Batch | None, y: microbatch.Batch | None
+    ) -> torch.Tensor:
         """Run one mini-batch through every micro-batch's forward and backward, then one
-        optimizer step per stage. Returns the mini-batch's mean loss on every rank.
+        optimizer step per stage. Returns the mini-batch's mean loss on every rank, as a 0-d
+        float64 tensor on this rank's device: the step never waits for the device to know it;
+        reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``, a comparison) does.
+        A step whose loss or gradients are not finite on any stage is skipped on every rank
+        (see ``nonfinite``).
 
         Under an asynchronous schedule it feeds the mini-batch into the pipeline and runs the
         backwards (and updates) that are due, those of earlier mini-batches included, without
@@ -405,10 +426,14 @@ class Pipeline:
             if self._update is not None:
                 self._update.begin()
             executors = self._run(self.schedule, x, y, True, self._report_loss)
-        stepped = self._update.run() if self._update is not None else {"grad_norm": None}
-        step_time = time.perf_counter() - start
         if self._loss is None:  # ranks without the last stage, and single-process mode
             self._report_loss()
+        stepped: dict = {"grad_norm": None}
+        if self._update is not None:
+            assert self._loss is not None
+            here = self._loss[0] if self.stages[-1].is_last else None
+            stepped = self._update.run(self.step + 1, here)
+        step_time = time.perf_counter() - start
         value = self._received_loss()
         self.step += 1
         self._record_metrics(
@@ -474,8 +499,19 @@ class Pipeline:
         if self._threads is None:
             dist.barrier(group=self._group)
 
+    @property
+    def metrics(self) -> dict:
+        """The last step's metrics as numbers (see the class docstring). The step keeps its
+        device's figures (loss, gradient norm, skipped, loss scale) as tensors; the first read
+        after a step waits for the device once, and reports any skipped step not yet warned of."""
+        if self._update is not None:
+            self._update.report(wait=True)
+        if self._read is None:
+            self._read = {k: _number(v) for k, v in self._metrics.items()}
+        return self._read
+
     def _record_metrics(
-        self, loss: float, step_time: float, executors: list[Executor], batch: object,
+        self, loss: torch.Tensor, step_time: float, executors: list[Executor], batch: object,
         extra: dict,
     ) -> None:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
@@ -486,7 +522,8 @@ class Pipeline:
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
             peaks = {f"rank{r}": m for r, m in zip(self._ranks, memory, strict=True)}
-        self.metrics = {
+        self._read = None
+        self._metrics = {
             "step": self.step,
             "loss": loss,
             "step_time": step_time,
@@ -496,7 +533,8 @@ class Pipeline:
             "peak_memory": peaks,
             **extra,
         }
-        logger.debug("step %d: %s", self.step, self.metrics)
+        if logger.isEnabledFor(logging.DEBUG):  # reading the metrics waits for the device
+            logger.debug("step %d: %s", self.step, self.metrics)
         if self._progress is not None and self._coordinator:
             self._progress.update(self.metrics)
 
@@ -595,20 +633,22 @@ class Pipeline:
         list: under an asynchronous schedule the first stage need not wait for the last
         stage's backwards before it feeds the next mini-batch."""
         last = self.stages[-1]
-        loss = torch.zeros((), dtype=torch.float64, device=last.device)
         if last.is_last:
-            loss += torch.stack([v.double() for v in last.losses.values()]).mean()
+            loss = torch.stack(list(last.losses.values())).mean(dtype=torch.float64)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=last.device)
         work = None
         if self._threads is None:
             work = dist.broadcast(loss, self._ranks[-1], group=self._group, async_op=True)
         self._loss = (loss, work)
 
-    def _received_loss(self) -> float:
-        """The loss ``_report_loss`` sent, once it is here (averaged over replicas)."""
+    def _received_loss(self) -> torch.Tensor:
+        """The loss ``_report_loss`` sent, once it is here (averaged over replicas); on the
+        device, unread."""
         assert self._loss is not None, "_report_loss comes first"
         (value, work), self._loss = self._loss, None
         if work is None:
-            return float(value)
+            return value
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
             if self.placement.replica_group is not None:  # the mean over every replica's batch
@@ -624,7 +664,14 @@ class Pipeline:
                 transport.abort(f"stage {self.placement.stage} stopped: {failure}")
                 late = f"the loss of step {self.step + 1} did not arrive: {failure}"
                 raise type(failure)(late) from error
-        return float(value)
+        return value
+
+
+def _number(value: object) -> object:
+    """A metric as a number: a 0-d tensor read (the host waits for the device), else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
 
 
 def _check_batches(x: object, y: object) -> None:

@@ -70,8 +70,10 @@ class Progress:
             tail.append(f"lr {metrics['lr']:.3g}")
         if metrics.get("grad_norm") is not None:
             tail.append(f"grad norm {metrics['grad_norm']:.3g}")
-        if metrics.get("skipped_step"):
+        if metrics.get("skipped_step") and "loss_scale" in metrics:
             tail.append(f"overflow: step skipped, loss scale {metrics['loss_scale']:g}")
+        elif metrics.get("skipped_step"):
+            tail.append("non-finite: step skipped")
         text = " | ".join([
             *head,
             "bubble " + " ".join(f"{b:.0%}" for b in bubbles),

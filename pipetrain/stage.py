@@ -141,7 +141,7 @@ class Stage:
         # scale the last stage's backward starts from, and whether the optimizer step waits
         # for pipetrain/update.py (global clipping, fp16's agreed overflow check).
         self.autocast_dtype = autocast_dtype
-        self.loss_scale = 1.0
+        self.loss_scale: float | torch.Tensor = 1.0
         self.defer_update = False
         self.syncs = list(syncs)  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
@@ -310,7 +310,12 @@ class Stage:
         """The gradients to start the backward of ``outputs`` from: ones for the last stage's
         loss, else the received ones, one per output that needs a gradient."""
         if self.is_last:
-            return [torch.full_like(outputs[0], self.loss_scale)] if outputs else []
+            if not outputs:
+                return []
+            scale = self.loss_scale  # a device tensor under fp16 (pipetrain/precision.py)
+            if isinstance(scale, torch.Tensor):
+                return [scale.to(outputs[0].dtype).expand_as(outputs[0])]
+            return [torch.full_like(outputs[0], scale)]
         if len(grads) != len(outputs):
             raise StageError(
                 f"stage {self.index}: received {len(grads)} gradients for micro-batch "
