@@ -410,31 +410,26 @@ class Pipeline:
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
         that forward, not for the backwards behind it."""
         _check_batches(x, y)
-        start = time.perf_counter()
-        self._loss = None
         lr = learning_rate(self.stages)  # the rate this step trains with
-        if self.schedule.asynchronous:
+        if self._update is not None:  # synchronous: the step's agreement carries the loss
+            for stage in self.stages:
+                stage.zero_grad()
+            start = time.perf_counter()  # zeroing the gradients is no part of the step
+            self._update.begin()
+            executors = self._run(self.schedule, x, y, True)
+            value, stepped = self._update.run(self.step + 1)
+            step_time = time.perf_counter() - start
+        else:
+            start, self._loss = time.perf_counter(), None
             for stage in self.stages:
                 stage.losses.clear()
             executors = self._run(self._call_list(self._calls), x, y, True, self._report_loss)
             self._calls += 1
             self._fed += self.chunks
-        else:
-            for stage in self.stages:
-                stage.zero_grad()
-            start = time.perf_counter()  # zeroing the gradients is no part of the step
-            if self._update is not None:
-                self._update.begin()
-            executors = self._run(self.schedule, x, y, True, self._report_loss)
-        if self._loss is None:  # ranks without the last stage, and single-process mode
-            self._report_loss()
-        stepped: dict = {"grad_norm": None}
-        if self._update is not None:
-            assert self._loss is not None
-            here = self._loss[0] if self.stages[-1].is_last else None
-            stepped = self._update.run(self.step + 1, here)
-        step_time = time.perf_counter() - start
-        value = self._received_loss()
+            if self._loss is None:  # ranks without the last stage, and single-process mode
+                self._report_loss()
+            step_time = time.perf_counter() - start
+            value, stepped = self._received_loss(), {"grad_norm": None}
         self.step += 1
         self._record_metrics(
             value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
@@ -627,11 +622,12 @@ class Pipeline:
             raise
 
     def _report_loss(self) -> None:
-        """Start handing the last stage's mean loss of the mini-batch to every rank (a
+        """Asynchronous schedules (a synchronous step's agreement carries the loss instead):
+        start handing the last stage's mean loss of the mini-batch to every rank (a
         broadcast that ``_received_loss`` waits for). The last stage's rank calls it the moment
         its last forward ends (the executor's ``losses_done``), the other ranks after their
-        list: under an asynchronous schedule the first stage need not wait for the last
-        stage's backwards before it feeds the next mini-batch."""
+        list: the first stage need not wait for the last stage's backwards before it feeds
+        the next mini-batch."""
         last = self.stages[-1]
         if last.is_last:
             loss = torch.stack(list(last.losses.values())).mean(dtype=torch.float64)

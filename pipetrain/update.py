@@ -6,12 +6,13 @@ whether to step at all depends on every stage: a non-finite loss or gradient any
 step on every rank. Per step, on the device, without waiting for it where torch allows:
 
 1. fp16: divide every gradient by the loss scale (a device tensor, as in torch.amp.GradScaler).
-2. The agreement vector: one entry per stage, the sum of squares of its gradients (fp32,
-   ``torch._foreach_norm`` as ``torch.nn.utils.clip_grad_norm_`` computes it), and one for the
-   loss (0, or NaN when the mean loss is not finite). Each rank fills its stages' entries, the
-   gradients each replica holds after its all-reduce counted once (each replica adds
-   1/replicas), a weight tied across stages counted once (on the first stage using it); one
-   all-reduce sums it over every rank. Every rank then holds the same vector.
+2. The agreement vector (float64): one entry per stage, the sum of squares of its gradients
+   (their norms in fp32 by ``torch._foreach_norm``, as ``torch.nn.utils.clip_grad_norm_``
+   computes them), and one for the mini-batch's mean loss. Each rank fills its stages'
+   entries, the gradients each replica holds after its all-reduce counted once (each replica
+   adds 1/replicas), a weight tied across stages counted once (on the first stage using it);
+   one all-reduce sums it over every rank. Every rank then holds the same vector, and in it
+   the loss, averaged over replicas: no other message carries it.
 3. Any non-finite entry skips the step on every rank: weights, optimizer state and the
    learning-rate schedule are left alone (``skipped_step`` in the metrics). Outside fp16 a
    skip warns, naming the step and the stages, or raises :class:`NonFiniteError` with
@@ -30,6 +31,7 @@ the skip happens on the device and the warning comes when the flags have reached
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -91,6 +93,9 @@ class Update:
         self.reduce, self.replicas, self.nonfinite = reduce, replicas, nonfinite
         self.count = count if count is not None else 1 + max(s.index for s in self.stages)
         self.device = self.stages[0].device  # where the agreement vector lives
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # found_inf as the host decided it (0.0, 1.0), for the loss scale's update
+        self._flags = torch.tensor([0.0, 1.0], device=self.device).unbind()
         self._stepped = [_stepped(s) for s in self.stages]
         self._counted = [
             [p for p in params if first_user.get(id(p), s.index) == s.index]
@@ -111,29 +116,30 @@ class Update:
                 stage.loss_scale = self.scaler.tensor.to(stage.device)
 
     @torch.no_grad()
-    def run(self, step: int, loss: torch.Tensor | None) -> dict:
-        """Step ``step`` (counted from 1): unscale, agree, maybe skip, clip and step. ``loss``
-        is the mean loss where the last stage is here (else None). Returns the step's metrics,
-        device tensors where they come from the device."""
+    def run(self, step: int) -> tuple[torch.Tensor, dict]:
+        """Step ``step`` (counted from 1): unscale, agree, maybe skip, clip and step. Returns
+        the mini-batch's mean loss and the step's metrics, device tensors both."""
         self.report(wait=False)
         scale = self.scaler.tensor.clone() if self.scaler is not None else None
         if scale is not None:
             self._scale_gradients(scale.reciprocal())
-        vector = self._agreement(loss)
-        found_inf = torch.isfinite(vector).all().logical_not().float()
+        vector = self._agreement()
+        total = vector.sum()  # inf or NaN exactly when an entry is
         norm = None
         if self.max_norm is not None:
             norm = vector[: self.count].sum().sqrt()
-            self._scale_gradients((self.max_norm / (norm + 1e-6)).clamp(max=1.0))
+            self._scale_gradients((self.max_norm / (norm + 1e-6)).clamp(max=1.0).float())
         skipped: bool | torch.Tensor
         if self.host_decides:
-            skipped = bool(found_inf)  # the step's one host sync (see the module docstring)
+            skipped = not math.isfinite(total.item())  # the step's one host sync (docstring)
+            found_inf = self._flags[skipped]
             if skipped:
                 self._complain(step, vector.tolist())
             else:
                 for stage in self.stages:
                     stage.update()
         else:
+            found_inf = total.mul(0).nan_to_num(1.0).float()  # 1.0 for inf or NaN, else 0.0
             self._step_on_device(found_inf)
             skipped = found_inf.bool()
             self._unreported.append((step, HostCopy(vector)))
@@ -141,7 +147,7 @@ class Update:
         if self.scaler is not None:
             metrics["loss_scale"] = scale
             self.scaler.update(found_inf)
-        return metrics
+        return vector[self.count], metrics
 
     def report(self, wait: bool) -> None:
         """Warn of the skipped steps whose flags reached the host (``wait``: of all of them,
@@ -190,16 +196,18 @@ class Update:
             if grads:
                 torch._foreach_mul_(grads, factor.to(stage.device))
 
-    def _agreement(self, loss: torch.Tensor | None) -> torch.Tensor:
+    def _agreement(self) -> torch.Tensor:
         """The agreement vector (module docstring, 2), summed over every rank."""
-        vector = torch.zeros(self.count + 1, device=self.device)
+        entries = [self._zero] * (self.count + 1)
         for stage, params in zip(self.stages, self._counted, strict=True):
             grads = [p.grad for p in params if p.grad is not None]
             if grads:  # fp32 norms of every gradient, as clip_grad_norm_ computes them
                 norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-                vector[stage.index] = torch.dot(norms, norms).to(self.device)
-        if loss is not None:  # 0 for a finite loss, NaN for inf or NaN
-            vector[self.count] = loss * 0
+                entries[stage.index] = torch.dot(norms, norms).to(self.device)
+            if stage.is_last and stage.losses:
+                losses = torch.stack(list(stage.losses.values()))
+                entries[self.count] = losses.mean(dtype=torch.float64).to(self.device)
+        vector = torch.stack(entries).double()
         if self.replicas > 1:
             vector /= self.replicas
         return self.reduce(vector)
