@@ -131,17 +131,28 @@ def _one_step_ops(step) -> collections.Counter[str]:
     return counter.ops
 
 
-def _pipetrain_ops(name: str) -> collections.Counter[str]:
+def _pipetrain_ops(name: str, clip: float | None) -> collections.Counter[str]:
     build, balance = MODELS[name]
     pipe = pipetrain.Pipeline(
         build(), balance, chunks=CHUNKS, schedule="1f1b", loss_fn=lm_loss,
-        optimizer=plain_sgd, timeout=60,
+        optimizer=plain_sgd, timeout=60, clip_grad_norm=clip,
     )
     x, y = text_batches(1)[0]
     return _one_step_ops(lambda: pipe.train_step(x, y))
 
 
-def _torch_ops(name: str, rank: int) -> collections.Counter[str]:
+def _global_clip(module: nn.Module, max_norm: float) -> None:
+    """What a user of torch.distributed.pipelining writes to clip by the whole model's norm:
+    this stage's norm (foreach), its square summed over the stages, the foreach clip."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    square = nn.utils.get_total_norm(grads, foreach=True).square()
+    dist.all_reduce(square)
+    nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, square.sqrt(), foreach=True)
+
+
+def _torch_ops(name: str, rank: int, clip: float | None) -> collections.Counter[str]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     build, balance = MODELS[name]
@@ -158,6 +169,8 @@ def _torch_ops(name: str, rank: int) -> collections.Counter[str]:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
+        if clip is not None:
+            _global_clip(half, clip)
         optimizer.step()
 
     return _one_step_ops(step)
@@ -165,13 +178,16 @@ def _torch_ops(name: str, rank: int) -> collections.Counter[str]:
 
 def _ops(rank: int, world: int) -> dict:
     return {
-        name: (dict(_pipetrain_ops(name)), dict(_torch_ops(name, rank))) for name in MODELS
+        (name, clip): (dict(_pipetrain_ops(name, clip)), dict(_torch_ops(name, rank, clip)))
+        for name in MODELS for clip in (None, 1.0)
     }
 
 
 def test_aten_operations_per_step_do_not_exceed_torch_pipelining():
     """Per rank: pipetrain's step (zero_grad, 1F1B list, agreement, optimizer step) against
-    the peer's zero_grad, Schedule1F1B.step and optimizer step, fp32, plain SGD."""
+    the peer's zero_grad, Schedule1F1B.step and optimizer step, fp32, plain SGD; unclipped,
+    and clipped by the whole model's norm (the peer's user clips with torch's foreach norm
+    and an all-reduce of its square)."""
     over = []
     for rank, result in enumerate(values(run_ranks(_ops, 2, deadline=120))):
         for name, (ours, theirs) in result.items():
