@@ -26,17 +26,21 @@ def load_corpus(
 
 
 def training_batches(
-    data: torch.Tensor, batch: int, context: int, seed: int
+    data: torch.Tensor, batch: int, context: int, seed: int, start: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, targets) batches of ``batch`` windows of ``context`` bytes at random
     offsets (drawn from ``seed`` alone, so every process draws the same), targets shifted by
-    one byte."""
+    one byte. ``start`` skips that many batches' offsets: a run resumed at step ``start``
+    trains on the very batches an uninterrupted run would."""
     if len(data) <= context + 1:
         raise ValueError(f"a text of {len(data)} bytes is too short for a context of {context}")
     generator = torch.Generator().manual_seed(seed)
     offsets = torch.arange(context + 1)
+    high = len(data) - context - 1
+    for _ in range(start):  # a draw per batch, a few microseconds each
+        torch.randint(0, high, (batch, 1), generator=generator)
     while True:
-        starts = torch.randint(0, len(data) - context - 1, (batch, 1), generator=generator)
+        starts = torch.randint(0, high, (batch, 1), generator=generator)
         windows = data[starts + offsets]
         yield windows[:, :-1], windows[:, 1:]
 

@@ -4,18 +4,24 @@
     torchrun --nproc_per_node=2 examples/train_gpt.py --schedule interleaved
     torchrun --nproc_per_node=2 examples/train_gpt.py --schedule zb-h1
     torchrun --nproc_per_node=2 examples/train_gpt.py --plan plan.json  # a plan from the CLI
+    torchrun --nproc_per_node=4 examples/train_gpt.py --stages 2       # 2 stages x 2 replicas
     python examples/train_gpt.py --single-process                      # the same run, no pipeline
 
 The model is examples.models.gpt (token + position embedding, causal self-attention blocks, a
 head tied to the embedding) reading the text as bytes; the last 5% of the text is held out.
 Without ``--plan`` the first rank profiles the model (pipetrain.profile) and plans its split
-(partitioner.plan) before training; the plan is made for 1F1B whatever ``--schedule`` says (the
-planner's balance serves the other schedules too: interleaved gets a plan for twice the stages).
+(partitioner.plan) into ``--stages`` stages (default: one per rank) before training; the plan is
+made for 1F1B whatever ``--schedule`` says (the planner's balance serves the other schedules too:
+interleaved gets a plan for twice the stages). The world is ``--stages`` x replicas ranks: each
+replica trains on its share of every batch and the replicas average their gradients.
 Training: AdamW, linear warm-up then cosine decay of the learning rate, gradients clipped to a
 global norm of 1.0, bf16 autocast where the processor computes bf16 natively (``--precision
-auto``; elsewhere fp32, since emulated bf16 is several times slower). At the end the pipeline
-saves a checkpoint (``--checkpoint-dir``), every rank evaluates the held-out loss, and the first
-rank consolidates the checkpoint into one model and prints a sample of generated text.
+auto``; elsewhere fp32, since emulated bf16 is several times slower). The pipeline saves a
+checkpoint in ``--checkpoint-dir`` at the start, every ``--checkpoint-every`` steps and at the
+end; when torchrun restarts the job (``--max-restarts``) after a rank died, or with
+``--resume``, it resumes from the newest one, on the batches an uninterrupted run would see
+(pipetrain/restart.py). At the end every rank evaluates the held-out loss, and the first rank
+consolidates the checkpoint into one model and prints a sample of generated text.
 ``--single-process`` trains the same model on the same batches in one process with plain
 PyTorch (torch.nn.utils.clip_grad_norm_, torch.autocast): the reference for the pipelined run.
 """
@@ -47,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1"],
                         help="default: the plan's, or 1f1b")
     parser.add_argument("--plan", help="a plan JSON from `pipetrain plan` (else: profile and plan)")
+    parser.add_argument("--stages", type=int,
+                        help="ranks per pipeline; the world is stages x replicas (default: the "
+                        "plan's ranks, or every rank: no replicas)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, help="windows per step (default 16, or the plan's)")
     parser.add_argument("--chunks", type=int, help="micro-batches (default 4, or the plan's)")
@@ -65,7 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also print the held-out loss every N steps (0: at the end only)")
     parser.add_argument("--checkpoint-dir", default="gpt-checkpoint",
-                        help="where the final checkpoint goes (default ./gpt-checkpoint)")
+                        help="where checkpoints go (default ./gpt-checkpoint; a folder every "
+                        "node sees)")
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help="save every N steps (0: at the start and end only)")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the newest checkpoint in --checkpoint-dir (automatic "
+                        "when torchrun restarts the job)")
     parser.add_argument("--single-process", action="store_true",
                         help="train without a pipeline, in this process")
     parser.add_argument("--no-sample", action="store_true", help="skip the generated text")
@@ -73,8 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    if args.single_process and (args.plan or args.schedule):
-        parser.error("--single-process runs no pipeline: leave out --plan and --schedule")
+    if args.single_process and (args.plan or args.schedule or args.stages or args.resume):
+        parser.error("--single-process runs no pipeline: leave out --plan, --schedule, --stages "
+                     "and --resume")
+    if args.stages is not None and args.stages < 1:
+        parser.error(f"--stages must be at least 1, got {args.stages}")
     if args.precision == "auto":
         args.precision = "bf16" if native_bf16() else "fp32"
     return args
@@ -136,87 +154,135 @@ def print_sample(model: nn.Module, args: argparse.Namespace) -> None:
 # -- the pipelined run ----------------------------------------------------------------------------
 
 
-def make_plan(model: nn.Sequential, args: argparse.Namespace, stages: int) -> partitioner.Plan:
-    """Profile ``model`` on one micro-batch and plan ``stages`` stages (as 1F1B: see the
-    module's docstring), timing with one thread as each stage will run."""
-    size = args.batch // args.chunks
+def make_plan(model: nn.Sequential, args: argparse.Namespace, stages: int,
+              size: int) -> partitioner.Plan:
+    """Profile ``model`` on one micro-batch of ``size`` windows and plan ``stages`` stages (as
+    1F1B: see the module's docstring), timing with one thread as each stage will run."""
     tokens = torch.randint(0, 256, (size, args.context), generator=torch.Generator().manual_seed(0))
     profile = pipetrain.profile(model, tokens, optimizer="adamw", warmup=1, repeats=3)
     return partitioner.plan(profile, stages=stages, microbatches=args.chunks, schedule="1f1b",
                             cores=torch.get_num_threads() * stages)
 
 
-def shared_plan(model: nn.Sequential, args: argparse.Namespace, world: int) -> partitioner.Plan:
-    """The first rank's plan, on every rank (each rank profiling on its own could split
-    differently)."""
-    stages = 2 * world if args.schedule == "interleaved" else world
+def shared_plan(model: nn.Sequential, args: argparse.Namespace, ranks: int,
+                size: int) -> partitioner.Plan:
+    """The first rank's plan for pipelines of ``ranks`` ranks, on every rank (each rank
+    profiling on its own could split differently)."""
+    stages = 2 * ranks if args.schedule == "interleaved" else ranks
     box: list[str | None] = [None]
     if dist.get_rank() == 0:
         start = time.perf_counter()
-        box[0] = make_plan(model, args, stages).to_json()
+        box[0] = make_plan(model, args, stages, size).to_json()
         print(f"profiled and planned in {time.perf_counter() - start:.1f} s", flush=True)
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return partitioner.Plan.from_json(box[0])
 
 
-def evaluate_pipelined(pipe: pipetrain.Pipeline, held_out: list, last_rank: int) -> float:
-    """The mean next-byte loss over the held-out windows, on every rank."""
+def ranks_per_pipeline(args: argparse.Namespace, plan: partitioner.Plan | None, world: int) -> int:
+    """``--stages``, else the plan's ranks, else every rank; refused unless it divides the
+    world into replicas."""
+    planned = plan.pipeline_ranks if plan is not None else None
+    if args.stages and planned and args.stages != planned:
+        raise SystemExit(f"--stages {args.stages} contradicts {args.plan}, which runs {planned} "
+                         f"ranks per pipeline: leave out --stages, or plan again with "
+                         f"`pipetrain plan --stages {args.stages}`")
+    ranks = args.stages or planned or world
+    if world % ranks:
+        fits = [d for d in range(1, world + 1) if world % d == 0]
+        raise SystemExit(f"{ranks} stages do not divide the {world} ranks into replicas (the "
+                         f"world is stages x replicas): launch a multiple of {ranks} ranks, or "
+                         f"pass --stages as one of {fits}")
+    return ranks
+
+
+def batch_layout(args: argparse.Namespace, plan: partitioner.Plan | None, replicas: int) -> None:
+    """Fill in ``--batch`` (windows per step, over all replicas) and ``--chunks`` from the plan
+    or the defaults; refuse a batch that the replicas' micro-batches do not divide."""
+    if plan is not None:
+        args.chunks = args.chunks or plan.microbatches
+        args.batch = args.batch or plan.microbatches * plan.microbatch_size * replicas
+    else:
+        args.batch, args.chunks = args.batch or 16, args.chunks or 4
+    if args.batch % (replicas * args.chunks):
+        raise SystemExit(f"--batch {args.batch} does not split into {replicas} replica(s) x "
+                         f"{args.chunks} micro-batches: pass a multiple of "
+                         f"{replicas * args.chunks}")
+
+
+def evaluate_pipelined(pipe: pipetrain.Pipeline, held_out: list) -> float:
+    """The mean next-byte loss over the held-out windows, on every rank (each replica
+    evaluates its share of the batches)."""
     total = torch.zeros((), dtype=torch.float64)
-    for x, y in held_out:
+    replica, replicas = pipe.placement.replica, pipe.placement.replicas
+    for x, y in held_out[replica::replicas]:
         logits = pipe.eval_step(x)
-        if logits is not None:
+        if logits is not None:  # on each replica's last stage
             total += lm_loss(logits.float(), y).double()
-    dist.broadcast(total, src=last_rank)
+    dist.all_reduce(total)
     return total.item() / len(held_out)
+
+
+def train_steps(pipe: pipetrain.Pipeline, args: argparse.Namespace, train: torch.Tensor,
+                held_out: list) -> float:
+    """Train from ``pipe.step`` (0, or the step resumed from) to ``--steps``, each replica on
+    its share of every batch, saving every ``--checkpoint-every`` steps; the seconds it took."""
+    first, rank = pipe.step, dist.get_rank()
+    share = args.batch // pipe.placement.replicas
+    mine = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+    batches = training_batches(train, args.batch, args.context, args.seed, start=first)
+    start = time.perf_counter()
+    while pipe.step < args.steps:
+        x, y = next(batches)
+        loss = pipe.train_step(x[mine], y[mine])
+        step = pipe.step
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            pipe.save(args.checkpoint_dir)
+        if rank == 0 and (step % args.log_every == 0 or step in (first + 1, args.steps)):
+            metrics = pipe.metrics
+            log(step, args, loss, metrics["lr"], metrics.get("grad_norm"),
+                (step - first) * args.batch * args.context, time.perf_counter() - start)
+        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+            value = evaluate_pipelined(pipe, held_out)
+            if rank == 0:
+                print(f"step {step:4d}  validation loss {value:.4f}", flush=True)
+    return time.perf_counter() - start
 
 
 def train_pipelined(args: argparse.Namespace) -> None:
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
     model = build_model(args)
-    if args.plan:
-        plan = partitioner.Plan.load(args.plan)
-        args.batch = args.batch or plan.microbatches * plan.microbatch_size
-        args.chunks = args.chunks or plan.microbatches
-    else:
-        args.batch, args.chunks = args.batch or 16, args.chunks or 4
-        plan = shared_plan(model, args, world)
-    if args.batch % args.chunks:
-        raise SystemExit(f"--batch {args.batch} is not a multiple of --chunks {args.chunks}")
+    plan = partitioner.Plan.load(args.plan) if args.plan else None
+    ranks = ranks_per_pipeline(args, plan, world)
+    replicas = world // ranks
+    batch_layout(args, plan, replicas)
+    size = args.batch // (replicas * args.chunks)  # windows per micro-batch
+    plan = plan or shared_plan(model, args, ranks, size)
     schedule = args.schedule or plan.schedule
     pipe = pipetrain.Pipeline(
-        model, plan=plan, schedule=schedule, chunks=args.chunks, loss_fn=lm_loss,
-        optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
+        model, plan=plan, schedule=schedule, chunks=args.chunks, replicas=replicas,
+        loss_fn=lm_loss, optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
         clip_grad_norm=args.clip, precision=args.precision,
     )
-    last_rank = pipe.schedule.rank_of(pipe.num_stages - 1)
+    resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume)
     train, held = load_corpus()
     held_out = held_out_batches(held, eval_batch(args), args.context)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"GPT of {params:,} parameters, {len(train):,} training bytes, "
-              f"{len(held_out) * eval_batch(args) * args.context:,} held out; {world} ranks, "
-              f"{schedule}, balance {pipe.balance}, {args.chunks} micro-batches of "
-              f"{args.batch // args.chunks} x {args.context} bytes, {args.precision}", flush=True)
-    batches = training_batches(train, args.batch, args.context, args.seed)
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = next(batches)
-        loss = pipe.train_step(x, y)
-        if rank == 0 and (step % args.log_every == 0 or step in (1, args.steps)):
-            metrics = pipe.metrics
-            log(step, args, loss, metrics["lr"], metrics.get("grad_norm"),
-                step * args.batch * args.context, time.perf_counter() - start)
-        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            value = evaluate_pipelined(pipe, held_out, last_rank)
-            if rank == 0:
-                print(f"step {step:4d}  validation loss {value:.4f}", flush=True)
-    elapsed = time.perf_counter() - start
-    pipe.save(args.checkpoint_dir)
-    value = evaluate_pipelined(pipe, held_out, last_rank)
+              f"{len(held_out) * eval_batch(args) * args.context:,} held out; {world} ranks "
+              f"({replicas} replica(s) x {ranks} ranks), {schedule}, balance {pipe.balance}, "
+              f"{args.chunks} micro-batches of {size} x {args.context} bytes, {args.precision}",
+              flush=True)
+        if resumed is not None:
+            print(f"resumed from step {resumed} of {args.checkpoint_dir}", flush=True)
+    elapsed = train_steps(pipe, args, train, held_out)
+    pipe.save(args.checkpoint_dir)  # nothing new when the last periodic save was this step
+    value = evaluate_pipelined(pipe, held_out)
     if rank == 0:
-        print(f"trained {args.steps} steps in {elapsed:.1f} s; checkpoint in {args.checkpoint_dir}")
+        print(f"trained {args.steps - (resumed or 0)} steps in {elapsed:.1f} s; checkpoint in "
+              f"{args.checkpoint_dir}")
         print(f"validation loss {value:.4f} (uniform over bytes: {math.log(256):.4f})", flush=True)
     dist.barrier()  # the checkpoint is complete on disk
     if rank == 0 and not args.no_sample:

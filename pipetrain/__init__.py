@@ -15,6 +15,8 @@ from pipetrain.errors import (
 )
 from pipetrain.pipeline import Pipeline
 from pipetrain.profiler import profile
+from pipetrain.restart import restarted, start_or_resume
+from pipetrain.task import TrainTask
 from pipetrain.weights import PredictionError
 
 try:
@@ -32,9 +34,12 @@ __all__ = [
     "PipelineError",
     "PredictionError",
     "StageError",
+    "TrainTask",
     "__version__",
     "consolidate",
     "init_distributed",
     "shutdown",
     "profile",
+    "restarted",
+    "start_or_resume",
 ]

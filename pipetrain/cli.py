@@ -1,4 +1,4 @@
-"""The ``pipetrain`` command: profile a model, plan its pipeline, simulate a schedule.
+"""The ``pipetrain`` command: profile a model, plan its pipeline, simulate a schedule, train.
 
     pipetrain profile examples.models:resnet_like --input-shape 64,3,32,32 -o profile.json
     pipetrain plan profile.json --stages 4 --microbatches 8 --memory 16GiB \
@@ -6,11 +6,12 @@
     pipetrain plan pipedream:vgg16 --stages 4 --microbatches 8
     pipetrain simulate plan.json
     pipetrain simulate profile.json --balance 3,14 --microbatches 8 --schedule gpipe
+    pipetrain train mymodule:task --plan plan.json --steps 100     (see pipetrain/cli_train.py)
 
 Exit status 0 on success and 2 on bad input (a file that is missing or malformed, a model that
 cannot be imported, an input shape the model rejects, constraints nothing satisfies), with a
-one-line message on stderr instead of a traceback. Only ``profile`` runs torch code; planning and
-simulating use the torch-free ``partitioner`` and ``schedules``.
+one-line message on stderr instead of a traceback. Only ``profile`` and ``train`` run torch code;
+planning and simulating use the torch-free ``partitioner`` and ``schedules``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from partitioner import (
     stage_costs,
 )
 from pipetrain import __version__
+from pipetrain.cli_train import add_train_command
 from pipetrain.errors import CheckpointError
 from schedules import GENERATORS, Simulation
 from schedules.generators import SPLIT_BACKWARD
@@ -665,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder")
     p.add_argument("-o", "--output", required=True, help="where to torch.save the state_dict")
     p.set_defaults(run=cmd_consolidate)
+    add_train_command(sub, _import_factory)
     return parser
 
 
@@ -683,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, or a usage error argparse has already printed
         return exit_.code if isinstance(exit_.code, int) else 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train` passes them to torchrun
     try:
         return int(args.run(args))
     except (UsageError, ValueError, OSError, CheckpointError) as error:

@@ -79,6 +79,7 @@ class PipelineConfig:
     checkpoint_dir: str | os.PathLike | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
+    planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
 
     @property
     def asynchronous(self) -> bool:
@@ -124,10 +125,12 @@ class PipelineConfig:
         nonfinite: str = "skip",
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
-        planned_ranks = None
+        planned_ranks = planned_microbatch = None
         if plan is not None:
+            plan = load_plan(plan, model)
+            planned_microbatch = plan.microbatch_size
             balance, chunks, schedule, checkpoint, planned_ranks = _from_plan(
-                load_plan(plan, model), balance, chunks, schedule, checkpoint
+                plan, balance, chunks, schedule, checkpoint
             )
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
@@ -165,7 +168,7 @@ class PipelineConfig:
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None, progress=progress,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            planned_ranks=planned_ranks,
+            planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
         )
 
 

@@ -35,6 +35,7 @@ from pipetrain.distributed import local_device, quiet_io_threads
 from pipetrain.errors import PeerError, PipelineError
 from pipetrain.executor import Carry, Executor
 from pipetrain.placement import Placement, join
+from pipetrain.planning import warn_other_microbatch
 from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, memory_label, peak_memory
 from pipetrain.rng import draw_seeds
@@ -362,6 +363,8 @@ class Pipeline:
         self._read: dict | None = None  # the same as numbers, once read
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
+        self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
+        self._unchecked_microbatch = config.planned_microbatch  # to compare with the first step's
         if config.checkpoint_dir is not None:
             self.load(config.checkpoint_dir)
 
@@ -410,6 +413,10 @@ class Pipeline:
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
         that forward, not for the backwards behind it."""
         _check_batches(x, y)
+        batch = x if x is not None else y
+        if self._unchecked_microbatch is not None and batch is not None:
+            warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
+            self._unchecked_microbatch = None  # once: the first step's
         lr = learning_rate(self.stages)  # the rate this step trains with
         if self._update is not None:  # synchronous: the step's agreement carries the loss
             for stage in self.stages:
@@ -431,9 +438,7 @@ class Pipeline:
             step_time = time.perf_counter() - start
             value, stepped = self._received_loss(), {"grad_norm": None}
         self.step += 1
-        self._record_metrics(
-            value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
-        )
+        self._record_metrics(value, step_time, executors, batch, {"lr": lr, **stepped})
         every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
         if folder is not None and every and self.step % every == 0:
             self.save(folder)
@@ -464,14 +469,29 @@ class Pipeline:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
-        previous one whole. An asynchronous pipeline is flushed first."""
+        previous one whole. An asynchronous pipeline is flushed first. Saving again at the
+        step this pipeline last saved (or loaded) in ``folder``, with nothing trained since,
+        returns that checkpoint: e.g. a final save right after a periodic one."""
         self.flush()
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
-        return checkpointing.save(
+        if self._saved is not None and self._already_saved(folder, *self._saved):
+            return self._saved[1]
+        path = checkpointing.save(
             folder, self.step, self.stages, self._barrier, self._coordinator, self.num_stages,
             self.scaler,
             self._protected,
+        )
+        self._saved = (self.step, path)
+        return path
+
+    def _already_saved(self, folder: str | os.PathLike, step: int, path: Path) -> bool:
+        """Whether ``path``, this pipeline's checkpoint of ``step``, holds its state now: same
+        step, same folder, still complete on disk (the same answer on every rank)."""
+        return (
+            step == self.step
+            and path.parent.resolve() == Path(folder).resolve()
+            and (path / "manifest.json").is_file()
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
@@ -483,6 +503,7 @@ class Pipeline:
             return None
         self.step, path = resumed
         self._protected = checkpointing.saved_after(path)
+        self._saved = (self.step, path)
         logger.info("resumed from step %d of %s", self.step, folder)
         return self.step
 

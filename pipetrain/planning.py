@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from torch import nn
 
 from partitioner import Plan
+from pipetrain.microbatch import Batch, batch_size
 
 
 def layer_signature(model: nn.Sequential) -> tuple[list[str], list[int]]:
@@ -29,3 +31,17 @@ def load_plan(plan: str | os.PathLike | Plan, model: nn.Sequential) -> Plan:
             "plan with as many devices as stages (`pipetrain plan --stages N` without --devices)"
         )
     return plan
+
+
+def warn_other_microbatch(planned: int, batch: Batch, chunks: int) -> None:
+    """Warn when ``batch`` in ``chunks`` makes micro-batches of another size than the plan's
+    ``planned``: the plan's balance, times and memory are those of its micro-batch size."""
+    size = -(-batch_size(batch, "the batch") // chunks)
+    if size != planned:
+        warnings.warn(
+            f"the plan was made for micro-batches of {planned} samples but this step's are "
+            f"{size} ({chunks} of a mini-batch of {batch_size(batch, 'the batch')}): its split "
+            f"and predictions may not hold; train with mini-batches of {planned * chunks}, or "
+            f"profile one micro-batch of {size} samples and plan again",
+            stacklevel=3,
+        )

@@ -5,8 +5,9 @@ Every ```python and ```bash block runs in a fresh folder that sees the repositor
 in that folder, so a bash block may make the plan that a later block reads.
 
 - A Python block whose first line reads ``# ... torchrun --nproc_per_node=N ...`` is saved as
-  ``train.py`` and started with torchrun, N processes; any other Python block runs with
-  ``python``.
+  ``train.py`` and started with torchrun, N processes; one whose first line reads
+  ``# NAME.py: ...`` is saved as NAME.py (a module later blocks import) and run with
+  ``python``, as is any other Python block.
 - A bash block runs with ``bash -euo pipefail``.
 - ``<!-- readme-test: skip REASON -->`` on the line before a block leaves it out, and the test
   prints the reason; ``<!-- readme-test: needs MODULE -->`` skips it (with the reason) where
@@ -34,6 +35,7 @@ FENCE = re.compile(
     re.S,
 )
 TORCHRUN = re.compile(r"^#.*torchrun --nproc_per_node=(\d+)")
+MODULE = re.compile(r"^# (\w+\.py):")
 TIMEOUT = 240.0  # seconds a block may take: the slowest (the GPT block) needs about a minute
 
 
@@ -64,10 +66,10 @@ def command(block: Block, folder: Path) -> list[str]:
     """How a user runs this block."""
     if block.lang == "bash":
         return ["bash", "-euo", "pipefail", "-c", block.code]
-    script = folder / "train.py"
-    script.write_text(block.code)
     first = block.code.splitlines()[0] if block.code else ""
-    ranks = TORCHRUN.match(first)
+    ranks, module = TORCHRUN.match(first), MODULE.match(first)
+    script = folder / (module[1] if module and not ranks else "train.py")
+    script.write_text(block.code)
     if ranks is None:
         return [sys.executable, str(script)]
     return [

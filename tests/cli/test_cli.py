@@ -374,3 +374,60 @@ def test_consolidate_errors_are_one_line_with_exit_status_2(tmp_path):
     (tmp_path / "ckpt" / "step-00000000" / "stage-1.pt").write_bytes(b"tampered")
     code, err = consolidate(tmp_path / "ckpt", tmp_path / "m.pt")
     assert code == 2 and "stage-1.pt is " in err
+
+
+TASK = '''
+import torch
+from torch import nn
+import pipetrain
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+def task(samples=16):
+    def batch(step):
+        x = torch.randn(samples, 8, generator=torch.Generator().manual_seed(step))
+        return x, (x[:, 0] > 0).long()
+    return pipetrain.TrainTask(model(), nn.functional.cross_entropy,
+                               lambda params: torch.optim.SGD(params, lr=0.1), batch)
+
+def not_a_task():
+    return model()
+'''
+
+
+@pytest.fixture(scope="module")
+def task_plan(tmp_path_factory) -> tuple[Path, Path]:
+    """A task module and its plan: 2 stages, 4 micro-batches of 4 samples (16 a step)."""
+    folder = tmp_path_factory.mktemp("task")
+    (folder / "mytask.py").write_text(TASK)
+    module = folder / "mytask.py"
+    assert main(shlex.split(f"profile {module}:model --input-shape 4,8 --warmup 0 --repeats 1 "
+                            f"-o {folder / 'profile.json'}")) == 0
+    assert main(shlex.split(f"plan {folder / 'profile.json'} --stages 2 --microbatches 4 "
+                            f"-o {folder / 'plan.json'}")) == 0
+    return module, folder / "plan.json"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("--kwargs '{\"samples\": 24}'", r"batch\(0\) gives inputs of 24 samples, but the plan trains "
+     r"4 micro-batches of 4 samples on each of 1 replica\(s\): 16 a step; return 16 samples, "
+     r"or plan for micro-batches of 6 samples"),
+    ("--nproc 4 --kwargs '{\"samples\": 16}'", r"gives inputs of 16 samples.*on each of 2 "
+     r"replica\(s\): 32 a step"),
+    ("--nproc 3", r"the plan runs 2 ranks per pipeline but 3 ranks were asked for"),
+    ("--resume", r"--resume needs --checkpoint-dir"),
+])
+def test_train_refuses_before_starting_processes(task_plan, capsys, extra, message):
+    """Checked in the launcher: nothing starts, exit status 2, one line naming the fix."""
+    module, plan = task_plan
+    code, out, err = run(f"train {module}:task --plan {plan} --steps 2 {extra}", capsys)
+    assert code == 2 and re.search(message, err), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_refuses_a_function_that_returns_no_task(task_plan, capsys):
+    module, plan = task_plan
+    code, _, err = run(f"train {module}:not_a_task --plan {plan} --steps 2", capsys)
+    assert code == 2 and "returned a Sequential, not a pipetrain.TrainTask" in err, err

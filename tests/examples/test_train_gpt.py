@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,86 @@ def test_plan_from_the_cli(tmp_path):
     reference = single(tmp_path / "single", "--no-sample")
     assert_same_parameters(tmp_path / "pipe", tmp_path / "single", 1e-5)
     assert validation_loss(log) == pytest.approx(validation_loss(reference), abs=2e-4)
+
+
+def rank_pid(agent: subprocess.Popen, rank: int) -> int | None:
+    """The process id of the agent's worker of ``rank`` (from /proc: its parent and RANK)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile, or not ours to read
+        if parent == agent.pid and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    return None
+
+
+def saved_step(folder: Path) -> int:
+    """The step of the checkpoint ``latest`` names in ``folder`` (-1: none yet)."""
+    try:
+        return int((folder / "latest").read_text().strip()[5:13])
+    except (OSError, ValueError):
+        return -1
+
+
+RESUMABLE = ["--steps", "16", "--checkpoint-every", "4", "--no-sample"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
+def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
+    """As the README tells users: torchrun --max-restarts=1, then kill -9 of rank 1 once a
+    periodic checkpoint is on disk. The restarted job resumes from the newest checkpoint, on the
+    batches and learning rates an uninterrupted run trains with, and ends with the parameters
+    of the uninterrupted single-process run (1e-5, as the test above: only the order of float
+    additions differs; a batch or a learning rate out of step shows at 1e-3 or more)."""
+    folder = tmp_path / "killed"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPT), *TINY,
+         *BATCH, *RESUMABLE, "--checkpoint-dir", str(folder)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        while saved_step(folder) < 4 and agent.poll() is None:
+            time.sleep(0.005)
+        killed_after = saved_step(folder)
+        victim = rank_pid(agent, 1)
+        assert victim is not None and killed_after < 16, "the run ended before the kill"
+        os.kill(victim, signal.SIGKILL)
+        log = agent.communicate(timeout=240)[0]
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, log[-3000:]
+    resumed = re.search(r"^resumed from step (\d+) of", log, re.MULTILINE)
+    assert resumed, log[-3000:]
+    step = int(resumed.group(1))
+    assert step % 4 == 0 and killed_after <= step < 16, (killed_after, step)
+    assert f"trained {16 - step} steps" in log, log[-3000:]
+    single(tmp_path / "single", *RESUMABLE)
+    assert_same_parameters(folder, tmp_path / "single", 1e-5)
+
+
+def example_module():
+    """examples/train_gpt.py imported as its run imports it (examples/ on the path)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_gpt
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return train_gpt
+
+
+def test_stages_that_do_not_divide_the_world_are_refused():
+    train_gpt = example_module()
+    args = train_gpt.parse_args(["--stages", "3"])
+    refused = r"3 stages do not divide the 4 ranks .*one of \[1, 2, 4\]"
+    with pytest.raises(SystemExit, match=refused):
+        train_gpt.ranks_per_pipeline(args, None, 4)
+    assert train_gpt.ranks_per_pipeline(train_gpt.parse_args(["--stages", "2"]), None, 4) == 2
+    assert train_gpt.ranks_per_pipeline(train_gpt.parse_args([]), None, 4) == 4  # no replicas
+    args = train_gpt.parse_args(["--stages", "2", "--batch", "12", "--chunks", "4"])
+    with pytest.raises(SystemExit, match=r"--batch 12 does not split into 2 replica\(s\) x 4 "
+                       r"micro-batches: pass a multiple of 8"):
+        train_gpt.batch_layout(args, None, 2)

@@ -87,20 +87,33 @@ def test_a_run_restarted_from_scratch_keeps_its_newest_checkpoint(tmp_path):
     assert pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path).step == 1
 
 
-def test_saving_a_step_again_leaves_one_checkpoint_of_it(tmp_path):
+def test_saving_a_step_again_returns_its_checkpoint(tmp_path):
+    """A final save right after a periodic one of the same step writes nothing new (no
+    step-N.0001) and loses nothing."""
+    pipe = pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path, checkpoint_every=2)
+    for x, y in DATA[:2]:
+        pipe.train_step(x, y)  # step 2 saved by checkpoint_every
+    first = checkpointing.latest(tmp_path)
+    for _ in range(2):
+        assert pipe.save(tmp_path) == first
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    again = pipeline(mlp(seed=5), [6, 6], checkpoint_dir=tmp_path)
+    assert again.step == 2 and again.save(tmp_path) == first  # as loaded: nothing to write
+    assert_bit_equal(again.module.state_dict(), pipe.module.state_dict())
+
+
+def test_a_step_saved_again_after_its_checkpoint_was_removed_is_written(tmp_path):
     pipe = pipeline(mlp(), [6, 6])
     pipe.train_step(*DATA[0])
-    pipe.save(tmp_path)
-    pipe.train_step(*DATA[1])
-    for _ in range(3):  # step 2, saved three times (e.g. checkpoint_every, then save())
-        pipe.save(tmp_path)
-        names = sorted(p.name for p in tmp_path.iterdir())
-        assert len(names) == 3 and names[:2] == ["latest", "step-00000001"], names
-        assert names[2].startswith("step-00000002")
-        assert checkpointing.latest(tmp_path).name == names[2]
-    again = pipeline(mlp(seed=5), [6, 6], checkpoint_dir=tmp_path)
-    assert again.step == 2
-    assert_bit_equal(again.module.state_dict(), pipe.module.state_dict())
+    first = pipe.save(tmp_path)
+    for old in tmp_path.iterdir():
+        if old.is_dir():
+            for file in old.iterdir():
+                file.unlink()
+            old.rmdir()
+    assert pipe.save(tmp_path) == first and (first / "manifest.json").is_file()
+    elsewhere = pipe.save(tmp_path / "other")  # another folder: a checkpoint of its own
+    assert elsewhere.parent == tmp_path / "other" and (elsewhere / "manifest.json").is_file()
 
 
 def _train_in_processes(rank: int, world: int, folder: str | None, steps: int):

@@ -5,6 +5,8 @@ model is refused, naming the difference."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,25 @@ def test_a_plan_for_another_model_is_refused(plan_path, other, message):
             loss_fn=nn.functional.cross_entropy,
             optimizer=sgd,
         )
+
+
+def test_training_other_micro_batches_than_the_plan_warns_once(plan_path):
+    """The plan was profiled on micro-batches of BATCH // CHUNKS samples; a mini-batch of
+    another size makes other micro-batches than its predictions are for."""
+    pipe = pipetrain.Pipeline(model(), plan=plan_path, devices=["cpu", "cpu"],
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    x, y = data(1)[0]
+    with pytest.warns(UserWarning, match=rf"micro-batches of {BATCH // CHUNKS} samples but "
+                      rf"this step's are {2 * BATCH // CHUNKS} .*mini-batches of {BATCH}"):
+        pipe.train_step(torch.cat([x, x]), torch.cat([y, y]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.train_step(x, y)  # checked once, at the first step
+
+
+def test_training_the_planned_micro_batches_is_silent(plan_path):
+    pipe = pipetrain.Pipeline(model(), plan=plan_path, devices=["cpu", "cpu"],
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.train_step(*data(1)[0])
