@@ -123,7 +123,7 @@ class _PipetrainVariant(_Variant):
         self.x, self.y = x, y
 
     def step(self) -> float | None:
-        return self.pipe.train_step(self.x, self.y)
+        return float(self.pipe.train_step(self.x, self.y))  # read, as the torch variant does
 
 
 class _TorchVariant(_Variant):

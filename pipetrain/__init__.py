@@ -9,6 +9,7 @@ from pipetrain.distributed import init_distributed, shutdown
 from pipetrain.errors import (
     CheckpointError,
     CommunicationTimeout,
+    NonFiniteError,
     PeerError,
     PipelineError,
     StageError,
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationTimeout",
     "DelayCompensation",
+    "NonFiniteError",
     "PeerError",
     "Pipeline",
     "PipelineError",

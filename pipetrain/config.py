@@ -25,7 +25,7 @@ from pipetrain.stage import (
     checkpoint_stop,
     default_checkpoint,
 )
-from pipetrain.update import check_options
+from pipetrain.update import check_nonfinite, check_options
 from schedules import GENERATORS
 from schedules.generators import MULTI_STAGE_PER_RANK
 
@@ -70,6 +70,7 @@ class PipelineConfig:
     precision: str
     autocast_dtype: torch.dtype | None
     clip_grad_norm: float | None
+    nonfinite: str
     weight_stashing: bool
     weight_prediction: str | None
     compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
@@ -143,6 +144,7 @@ class PipelineConfig:
         lr_scheduler: SchedulerFactory | None = None,
         delay_compensation: str | DelayCompensation | None = AUTO,
         cuda_graphs: bool | str = False,
+        nonfinite: str = "skip",
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = planned_microbatch = None
@@ -175,6 +177,7 @@ class PipelineConfig:
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
         )
         _check_loss_fn(loss_fn)
+        check_nonfinite(nonfinite)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         if schedule in GENERATORS and schedule not in RUNNABLE:
@@ -186,7 +189,7 @@ class PipelineConfig:
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
             checkpoint=modes, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, precision=precision, autocast_dtype=dtype,
-            clip_grad_norm=clip_grad_norm, weight_stashing=weight_stashing,
+            clip_grad_norm=clip_grad_norm, nonfinite=nonfinite, weight_stashing=weight_stashing,
             weight_prediction=weight_prediction, compensation=compensation,
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
             trace=trace or os.environ.get("PIPETRAIN_TRACE") or None,

@@ -21,3 +21,8 @@ class CommunicationTimeout(PeerError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder or file cannot be used as it is; the message names it and the way out."""
+
+
+class NonFiniteError(PipelineError):
+    """A step's loss or gradients were not finite (raised with ``Pipeline(nonfinite="raise")``;
+    the step was skipped on every rank first)."""

@@ -63,6 +63,9 @@ class Carry:
     shapes_out: dict[int, BoundaryMeta] = field(default_factory=dict)
     """Per stage, the boundary shapes it sent in the last call (when they change, a stand-in
     of these fills the receiver's early receive)."""
+    headers: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per stage, the header encoding ``shapes_out`` (sent again while they stay the same:
+    only its reader touches it)."""
     in_flight: dict[tuple[int, int], BoundaryMeta] = field(default_factory=dict)
     """Asynchronous schedules: (stage, global micro-batch) -> the shapes its forward sent, for
     the receive of the gradient that comes back in a later call."""
@@ -323,8 +326,10 @@ class Executor:
         known = self._out_meta.get(action.stage)
         if known is None:
             self._out_meta[action.stage] = meta
-            outgoing.append((send, [encode(meta)], True))
             last = self.carry.shapes_out.get(action.stage)
+            if last != meta or action.stage not in self.carry.headers:
+                self.carry.headers[action.stage] = encode(meta)
+            outgoing.append((send, [self.carry.headers[action.stage]], True))
             self.carry.shapes_out[action.stage] = meta
             if last not in (None, meta) and not self.schedule.local(action.stage, _peer(send)):
                 outgoing.append((send, empty_like_meta(last.tensors, self.transport.device), False))

@@ -8,6 +8,7 @@ schedule through the same executor.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -165,8 +166,18 @@ class Pipeline:
     overflow check every rank agrees on (pipetrain/precision.py).
     ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
     ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
-    ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
-    "loss_scale" and "skipped_step".
+    ``metrics`` holds "lr", "skipped_step", with clipping "grad_norm" (before clipping), and
+    for fp16 "loss_scale".
+    ``nonfinite`` ("skip", the default, or "raise"; synchronous schedules): a step whose loss
+    or gradients are not finite on any stage is skipped on every rank, leaving the weights,
+    the optimizer state and the learning-rate schedule as they were; it warns, naming the step
+    and the stages, or with "raise" raises NonFiniteError (pipetrain/update.py).
+
+    No step waits for the device (a host sync on CUDA) except where one of these asks for it:
+    an optimizer that cannot skip a step on the device (only torch's fused ones, e.g.
+    ``torch.optim.AdamW(..., fused=True)``, can), an ``lr_scheduler`` or ``nonfinite="raise"``
+    (one wait per step, to decide whether to step), ``progress`` (printing needs the figures).
+    The loss ``train_step`` returns and ``metrics`` are read when the caller reads them.
 
     ``cuda_graphs=True`` captures each stage's training forward and backward as CUDA graphs
     after the first step with each micro-batch shape and replays them from then on, for the
@@ -208,6 +219,7 @@ class Pipeline:
         init_seed: int | None = None,
         init: InitFn | None = None,
         weights: str | os.PathLike | None = None,
+        nonfinite: str = "skip",
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -217,6 +229,7 @@ class Pipeline:
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
             delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
+            nonfinite=nonfinite,
         )
         self._source = LayerSource(init_seed, init, weights)
         self._source.check(model)
@@ -388,14 +401,15 @@ class Pipeline:
         """The state of training: the step across stages (fp16's loss scale, clipping), the
         asynchronous pipeline's counters, tracing, progress, and a resumed checkpoint."""
         config = self.config
-        self.scaler = LossScaler() if config.precision == "fp16" else None
+        device = self.stages[0].device
+        self.scaler = LossScaler(device=device) if config.precision == "fp16" else None
         self._update: Update | None = None
-        self._late_steps = _late_steps(self.stages, ties)
-        if config.clip_grad_norm is not None or self.scaler is not None:
+        if not self.schedule.asynchronous:  # every rank agrees on each step (update.py)
             self._update = Update(
                 self.stages, config.clip_grad_norm, self.scaler,
                 {id(p): stages[0] for p, stages in ties}, self._sum_over_ranks,
                 1 if self._threads is not None else self.placement.replicas,
+                count=self.schedule.stages, nonfinite=config.nonfinite,
             )
         self._calls = 0  # asynchronous: train_steps since the last flush
         self._fed = 0  # asynchronous: micro-batches fed so far (their global numbers)
@@ -407,7 +421,8 @@ class Pipeline:
             self._start_tracing() if config.trace else [None] * len(self.transports)
         )
         self._progress = config.progress
-        self.metrics: dict = {}
+        self._metrics: dict = {}  # the last step's, device tensors where the device made them
+        self._read: dict | None = None  # the same as numbers, once read
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
@@ -446,9 +461,15 @@ class Pipeline:
     def num_stages(self) -> int:
         return self.schedule.stages
 
-    def train_step(self, x: microbatch.Batch | None, y: microbatch.Batch | None) -> float:
+    def train_step(
+        self, x: microbatch.Batch | None, y: microbatch.Batch | None
+    ) -> torch.Tensor:
         """Run one mini-batch through every micro-batch's forward and backward, then one
-        optimizer step per stage. Returns the mini-batch's mean loss on every rank.
+        optimizer step per stage. Returns the mini-batch's mean loss on every rank, as a 0-d
+        float64 tensor on this rank's device: the step never waits for the device to know it;
+        reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``, a comparison) does.
+        A step whose loss or gradients are not finite on any stage is skipped on every rank
+        (see ``nonfinite``).
 
         Under an asynchronous schedule it feeds the mini-batch into the pipeline and runs the
         backwards (and updates) that are due, those of earlier mini-batches included, without
@@ -463,34 +484,28 @@ class Pipeline:
         if self._unchecked_microbatch is not None and batch is not None:
             warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
             self._unchecked_microbatch = None  # once: the first step's
-        start = time.perf_counter()
-        self._loss = None
         lr = learning_rate(self.stages)  # the rate this step trains with
-        if self.schedule.asynchronous:
+        if self._update is not None:  # synchronous: the step's agreement carries the loss
+            for stage in self.stages:
+                stage.zero_grad()
+            start = time.perf_counter()  # zeroing the gradients is no part of the step
+            self._update.begin()
+            executors = self._run(self.schedule, x, y, True)
+            value, stepped = self._update.run(self.step + 1)
+            step_time = time.perf_counter() - start
+        else:
+            start, self._loss = time.perf_counter(), None
             for stage in self.stages:
                 stage.losses.clear()
             executors = self._run(self._call_list(self._calls), x, y, True, self._report_loss)
             self._calls += 1
             self._fed += self.chunks
-        else:
-            for stage in self.stages:
-                stage.zero_grad()
-            start = time.perf_counter()  # zeroing the gradients is no part of the step
-            if self._update is not None:
-                self._update.begin()
-            executors = self._run(self.schedule, x, y, True, self._report_loss)
-        if self._update is None:
-            for stage in self._late_steps:
-                stage.update()
-        stepped = self._update.run() if self._update is not None else {"grad_norm": None}
-        step_time = time.perf_counter() - start
-        if self._loss is None:  # ranks without the last stage, and single-process mode
-            self._report_loss()
-        value = self._received_loss()
+            if self._loss is None:  # ranks without the last stage, and single-process mode
+                self._report_loss()
+            step_time = time.perf_counter() - start
+            value, stepped = self._received_loss(), {"grad_norm": None}
         self.step += 1
-        self._record_metrics(
-            value, step_time, executors, x if x is not None else y, {"lr": lr, **stepped}
-        )
+        self._record_metrics(value, step_time, executors, batch, {"lr": lr, **stepped})
         for stage in self.stages:  # no stage runs now: capture what the step met first
             if stage.graphs is not None:
                 stage.graphs.capture_pending()
@@ -570,8 +585,19 @@ class Pipeline:
         if self._threads is None:
             dist.barrier(group=self._group)
 
+    @property
+    def metrics(self) -> dict:
+        """The last step's metrics as numbers (see the class docstring). The step keeps its
+        device's figures (loss, gradient norm, skipped, loss scale) as tensors; the first read
+        after a step waits for the device once, and reports any skipped step not yet warned of."""
+        if self._update is not None:
+            self._update.report(wait=True)
+        if self._read is None:
+            self._read = {k: _number(v) for k, v in self._metrics.items()}
+        return self._read
+
     def _record_metrics(
-        self, loss: float, step_time: float, executors: list[Executor], batch: object,
+        self, loss: torch.Tensor, step_time: float, executors: list[Executor], batch: object,
         extra: dict,
     ) -> None:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
@@ -583,7 +609,8 @@ class Pipeline:
         if self._progress is not None and self._threads is None:
             bubbles, memory = self._gather_from_stages(bubbles[0], memory[0])
             peaks = {f"rank{r}": m for r, m in zip(self._ranks, memory, strict=True)}
-        self.metrics = {
+        self._read = None
+        self._metrics = {
             "step": self.step,
             "loss": loss,
             "step_time": step_time,
@@ -594,7 +621,8 @@ class Pipeline:
             "peak_memory_kind": kind,
             **extra,
         }
-        logger.debug("step %d: %s", self.step, self.metrics)
+        if logger.isEnabledFor(logging.DEBUG):  # reading the metrics waits for the device
+            logger.debug("step %d: %s", self.step, self.metrics)
         if self._progress is not None and self._coordinator:
             self._progress.update(self.metrics)
 
@@ -687,26 +715,29 @@ class Pipeline:
             raise
 
     def _report_loss(self) -> None:
-        """Start handing the last stage's mean loss of the mini-batch to every rank (a
+        """Asynchronous schedules (a synchronous step's agreement carries the loss instead):
+        start handing the last stage's mean loss of the mini-batch to every rank (a
         broadcast that ``_received_loss`` waits for). The last stage's rank calls it the moment
         its last forward ends (the executor's ``losses_done``), the other ranks after their
-        list: under an asynchronous schedule the first stage need not wait for the last
-        stage's backwards before it feeds the next mini-batch."""
+        list: the first stage need not wait for the last stage's backwards before it feeds
+        the next mini-batch."""
         last = self.stages[-1]
-        loss = torch.zeros((), dtype=torch.float64, device=last.device)
         if last.is_last:
-            loss += torch.stack([v.double() for v in last.losses.values()]).mean()
+            loss = torch.stack(list(last.losses.values())).mean(dtype=torch.float64)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=last.device)
         work = None
         if self._threads is None:
             work = dist.broadcast(loss, self._ranks[-1], group=self._group, async_op=True)
         self._loss = (loss, work)
 
-    def _received_loss(self) -> float:
-        """The loss ``_report_loss`` sent, once it is here (averaged over replicas)."""
+    def _received_loss(self) -> torch.Tensor:
+        """The loss ``_report_loss`` sent, once it is here (averaged over replicas); on the
+        device, unread."""
         assert self._loss is not None, "_report_loss comes first"
         (value, work), self._loss = self._loss, None
         if work is None:
-            return float(value)
+            return value
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
             if self.placement.replica_group is not None:  # the mean over every replica's batch
@@ -722,22 +753,14 @@ class Pipeline:
                 transport.abort(f"stage {self.placement.stage} stopped: {failure}")
                 late = f"the loss of step {self.step + 1} did not arrive: {failure}"
                 raise type(failure)(late) from error
-        return float(value)
+        return value
 
 
-def _late_steps(stages: Sequence[Stage], ties: list[Tie]) -> list[Stage]:
-    """The stages that step a weight other stages of this process use too; each steps after
-    every list of this process is done (``defer_update``), so never before those stages'
-    last gradient work. With one thread per rank nothing else orders them: a zero-bubble
-    stage runs weight-gradient passes (W) after its input-gradient pass (B) has let the
-    previous stage finish, so the previous stage could step a shared weight while this one
-    still reads it and adds to its gradient."""
-    here = {stage.index: stage for stage in stages}
-    owners = {min(local) for _, users in ties if len(local := [s for s in users if s in here]) > 1}
-    late = [here[s] for s in sorted(owners)]
-    for stage in late:
-        stage.defer_update = True
-    return late
+def _number(value: object) -> object:
+    """A metric as a number: a 0-d tensor read (the host waits for the device), else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
 
 
 def _check_batches(x: object, y: object) -> None:

@@ -53,7 +53,10 @@ def to_boundary(value: object, dtype: torch.dtype | None) -> object:
 
 class LossScaler:
     """fp16's dynamic loss scale, identical on every rank (each rank holds one and feeds every
-    one the same all-reduced overflow flag). Defaults are ``torch.amp.GradScaler``'s."""
+    one the same all-reduced overflow flag). Defaults are ``torch.amp.GradScaler``'s, and so
+    is the bookkeeping: the scale and its count of clean steps are tensors on ``device``,
+    updated there (``torch._amp_update_scale_``) so that no step waits for the host to read
+    them; ``scale`` and ``clean_steps`` read them (and wait for the device)."""
 
     def __init__(
         self,
@@ -61,26 +64,34 @@ class LossScaler:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        device: torch.device | str = "cpu",
     ):
         if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1:
             raise ValueError(
                 "loss scaling needs init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1"
             )
-        self.scale = float(init_scale)
+        self.tensor = torch.full((), float(init_scale), dtype=torch.float32, device=device)
+        # consecutive steps without an overflow since the last change
+        self._clean = torch.zeros((), dtype=torch.int32, device=device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-        self.clean_steps = 0  # consecutive steps without an overflow since the last change
 
-    def update(self, found_inf: bool) -> None:
-        """After a step: halve the scale on an overflow, grow it after enough clean steps."""
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.growth_interval:
-            self.scale *= self.growth_factor
-            self.clean_steps = 0
+    @property
+    def scale(self) -> float:
+        return float(self.tensor)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """After a step (``found_inf`` 1.0 on an overflow, a float32 tensor on the scale's
+        device or movable there): halve the scale on an overflow, grow it after enough clean
+        steps."""
+        torch._amp_update_scale_(
+            self.tensor, self._clean, found_inf.to(self.tensor.device), self.growth_factor,
+            self.backoff_factor, self.growth_interval,
+        )
 
     def state_dict(self) -> dict:
         return {
@@ -90,6 +101,7 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.tensor.fill_(float(state["scale"]))
+        self._clean.fill_(int(state["clean_steps"]))
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
-        self.growth_interval, self.clean_steps = state["growth_interval"], state["clean_steps"]
+        self.growth_interval = state["growth_interval"]

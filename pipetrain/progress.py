@@ -84,8 +84,10 @@ class Progress:
             f"{rate:,.0f} samples/s" if rate else f"{metrics['step_time'] * 1e3:.1f} ms/step",
         ]
         tail = []
-        if metrics.get("skipped_step"):
+        if metrics.get("skipped_step") and "loss_scale" in metrics:
             tail.append(f"overflow: step skipped, loss scale {metrics['loss_scale']:g}")
+        elif metrics.get("skipped_step"):
+            tail.append("non-finite: step skipped")
         if metrics.get("grad_norm") is not None:
             tail.append(f"grad norm {metrics['grad_norm']:.3g}")
         if metrics.get("lr") is not None:

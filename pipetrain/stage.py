@@ -145,7 +145,8 @@ class Stage:
         # scale the last stage's backward starts from, and whether the optimizer step waits
         # for pipetrain/update.py (global clipping, fp16's agreed overflow check).
         self.autocast_dtype = autocast_dtype
-        self.loss_scale = 1.0
+        self.loss_scale: float | torch.Tensor = 1.0
+        self._divisor = 1  # the last forward's loss divisor (micro-batches, or loss_divisor)
         self.defer_update = False
         self.syncs = list(syncs)  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
@@ -246,7 +247,9 @@ class Stage:
         if self.is_last:
             loss = cast(torch.Tensor, output)
             self.losses[microbatch] = loss.detach()
-            saved: tuple[torch.Tensor, ...] = (loss / (self.loss_divisor or chunks),)
+            # the backward starts from 1/divisor (see _output_grads): no division in the graph
+            self._divisor = self.loss_divisor or chunks
+            saved: tuple[torch.Tensor, ...] = (loss,)
         else:
             saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
         if self.versions is not None and self.versions.recomputes:
@@ -322,10 +325,16 @@ class Stage:
     def _output_grads(
         self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor], microbatch: int
     ) -> Sequence[torch.Tensor]:
-        """The gradients to start the backward of ``outputs`` from: ones for the last stage's
-        loss, else the received ones, one per output that needs a gradient."""
+        """The gradients to start the backward of ``outputs`` from: on the last stage the loss
+        scale over the loss divisor (the mean over micro-batches, without a division in each
+        micro-batch's graph), else the received ones, one per output that needs a gradient."""
         if self.is_last:
-            return [torch.full_like(outputs[0], self.loss_scale)] if outputs else []
+            if not outputs:
+                return []
+            scale = self.loss_scale  # a device tensor under fp16 (pipetrain/precision.py)
+            if isinstance(scale, torch.Tensor):
+                return [(scale / self._divisor).to(outputs[0].dtype).expand_as(outputs[0])]
+            return [torch.full_like(outputs[0], scale / self._divisor)]
         if len(grads) != len(outputs):
             raise StageError(
                 f"stage {self.index}: received {len(grads)} gradients for micro-batch "

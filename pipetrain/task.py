@@ -120,7 +120,7 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
             print(f"step {pipe.step}/{run.steps}  loss {loss:.4f}", flush=True)
     if folder is not None:
         pipe.save(folder)  # nothing new when the last periodic save was this step
-    return loss
+    return None if loss is None else float(loss)
 
 
 def _part(value: Batch, rows: slice) -> Batch:

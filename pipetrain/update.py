@@ -1,41 +1,59 @@
-"""The optimizer step that needs the whole model: fp16 unscaling and skipping, global clipping.
+"""The optimizer step that needs the whole model: agreement on skipping, clipping, fp16.
 
-A synchronous schedule ends each stage's list with its optimizer step. When the step depends on
-every stage's gradients (a clip by the norm of the whole model, or fp16's overflow check), the
-stages defer it (``Stage.defer_update``) and :class:`Update` runs it after the list:
+Every synchronous schedule ends each stage's list with its optimizer step, and every stage
+defers it (``Stage.defer_update``) to :class:`Update`, which runs it after the list, because
+whether to step at all depends on every stage: a non-finite loss or gradient anywhere skips the
+step on every rank. Per step, on the device, without waiting for it where torch allows:
 
-1. fp16: divide every gradient by the loss scale.
-2. The global gradient norm: each stage's sum of squares in float64, summed over this process's
-   stages and all-reduced over every rank, with the gradients each replica holds after its
-   all-reduce counted once (each replica adds 1/replicas of its sum) and a weight tied across
-   stages counted once (on the first stage that uses it). Every rank gets the same norm.
-3. fp16: a non-finite norm is an overflow on some rank: no rank steps (the optimizer and the
-   learning-rate schedule are left alone) and every scaler halves its scale.
-4. Clip: multiply the gradients by ``max_norm / (norm + 1e-6)`` when that is below 1, as
-   ``torch.nn.utils.clip_grad_norm_`` does.
+1. fp16: divide every gradient by the loss scale (a device tensor, as in torch.amp.GradScaler).
+2. The agreement vector (float64): one entry per stage, the sum of squares of its gradients
+   (their norms in fp32 by ``torch._foreach_norm``, as ``torch.nn.utils.clip_grad_norm_``
+   computes them), and one for the mini-batch's mean loss. Each rank fills its stages'
+   entries, the gradients each replica holds after its all-reduce counted once (each replica
+   adds 1/replicas), a weight tied across stages counted once (on the first stage using it);
+   one all-reduce sums it over every rank. Every rank then holds the same vector, and in it
+   the loss, averaged over replicas: no other message carries it.
+3. Any non-finite entry skips the step on every rank: weights, optimizer state and the
+   learning-rate schedule are left alone (``skipped_step`` in the metrics). Outside fp16 a
+   skip warns, naming the step and the stages, or raises :class:`NonFiniteError` with
+   ``nonfinite="raise"``; in fp16 an overflowing gradient is the loss scale's business (halved,
+   as GradScaler does) and only a non-finite loss warns.
+4. Clip: the gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``, a device tensor,
+   always (as ``clip_grad_norm_`` with foreach does).
 5. Each stage's optimizer step, then its learning-rate schedule's.
+
+The host waits for the device once per step (reading whether to skip) only where it must: an
+optimizer that cannot skip on the device (only torch's fused ones take a ``found_inf`` tensor),
+a learning-rate schedule (a Python object stepped or not), or ``nonfinite="raise"``. Otherwise
+the skip happens on the device and the warning comes when the flags have reached the host
+(:class:`~pipetrain.readback.HostCopy`), at the next step or when the metrics are read.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from pipetrain.errors import NonFiniteError
 from pipetrain.precision import LossScaler, autocast_dtype
+from pipetrain.readback import HostCopy
 from pipetrain.stage import Stage
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank (identity in one process)
+NONFINITE = ("skip", "raise")
 
 
-def learning_rate(stages: Sequence[Stage]) -> float | None:
-    """The first parameter group's learning rate of the first stage here with an optimizer."""
+def learning_rate(stages: Sequence[Stage]) -> float | torch.Tensor | None:
+    """The first parameter group's learning rate of the first stage here with an optimizer
+    (as the optimizer holds it: a tensor learning rate is not read here)."""
     for stage in stages:
         if stage.optimizer is not None:
-            return float(stage.optimizer.param_groups[0]["lr"])
+            return stage.optimizer.param_groups[0]["lr"]
     return None
 
 
@@ -46,11 +64,18 @@ def _stepped(stage: Stage) -> list[nn.Parameter]:
     return [p for group in stage.optimizer.param_groups for p in group["params"]]
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer.step`` honours a ``found_inf`` tensor (torch's fused optimizers,
+    which GradScaler drives the same way) instead of needing the host to decide."""
+    return optimizer is None or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 class Update:
     """The deferred optimizer step of this process's ``stages`` (see the module docstring).
 
     ``first_user`` maps a weight tied across stages (by id) to the first stage using it;
-    ``reduce`` sums a float64 tensor over every rank of every replica (in one process: as is).
+    ``reduce`` sums a tensor over every rank of every replica (in one process: as is);
+    ``count`` is the pipeline's number of stages; ``nonfinite`` "skip" or "raise".
     """
 
     def __init__(
@@ -61,13 +86,26 @@ class Update:
         first_user: dict[int, int],
         reduce: Reduce,
         replicas: int = 1,
+        count: int | None = None,
+        nonfinite: str = "skip",
     ):
         self.stages, self.max_norm, self.scaler = list(stages), max_norm, scaler
-        self.reduce, self.replicas = reduce, replicas
+        self.reduce, self.replicas, self.nonfinite = reduce, replicas, nonfinite
+        self.count = count if count is not None else 1 + max(s.index for s in self.stages)
+        self.device = self.stages[0].device  # where the agreement vector lives
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # found_inf as the host decided it (0.0, 1.0), for the loss scale's update
+        self._flags = torch.tensor([0.0, 1.0], device=self.device).unbind()
+        self._stepped = [_stepped(s) for s in self.stages]
         self._counted = [
-            [p for p in _stepped(s) if first_user.get(id(p), s.index) == s.index]
-            for s in self.stages
+            [p for p in params if first_user.get(id(p), s.index) == s.index]
+            for s, params in zip(self.stages, self._stepped, strict=True)
         ]
+        # The host must read the skip flag when a step cannot be skipped on the device.
+        self.host_decides = nonfinite == "raise" or any(
+            s.scheduler is not None or not skips_on_device(s.optimizer) for s in self.stages
+        )
+        self._unreported: list[tuple[int, HostCopy]] = []
         for stage in self.stages:
             stage.defer_update = True
 
@@ -75,45 +113,108 @@ class Update:
         """Before the backward: the last stage starts it from the current loss scale."""
         if self.scaler is not None:
             for stage in self.stages:
-                stage.loss_scale = self.scaler.scale
+                stage.loss_scale = self.scaler.tensor.to(stage.device)
 
     @torch.no_grad()
-    def run(self) -> dict:
-        """Unscale, measure, maybe skip, clip and step; returns the step's metrics."""
-        scaler = self.scaler
-        if scaler is not None:
-            self._scale_gradients(1.0 / scaler.scale)
-        norm = self._global_norm()
-        skipped = scaler is not None and not math.isfinite(norm)
-        if not skipped:
-            if self.max_norm is not None:
-                coefficient = self.max_norm / (norm + 1e-6)
-                if coefficient < 1.0:
-                    self._scale_gradients(coefficient)
-            for stage in self.stages:
-                stage.update()
-        metrics: dict = {"grad_norm": norm}
-        if scaler is not None:
-            metrics.update(loss_scale=scaler.scale, skipped_step=skipped)
-            scaler.update(found_inf=skipped)
-        return metrics
+    def run(self, step: int) -> tuple[torch.Tensor, dict]:
+        """Step ``step`` (counted from 1): unscale, agree, maybe skip, clip and step. Returns
+        the mini-batch's mean loss and the step's metrics, device tensors both."""
+        self.report(wait=False)
+        scale = self.scaler.tensor.clone() if self.scaler is not None else None
+        if scale is not None:
+            self._scale_gradients(scale.reciprocal())
+        vector = self._agreement()
+        total = vector.sum()  # inf or NaN exactly when an entry is
+        norm = None
+        if self.max_norm is not None:
+            norm = vector[: self.count].sum().sqrt()
+            self._scale_gradients((self.max_norm / (norm + 1e-6)).clamp(max=1.0).float())
+        skipped: bool | torch.Tensor
+        if self.host_decides:
+            skipped = not math.isfinite(total.item())  # the step's one host sync (docstring)
+            found_inf = self._flags[skipped]
+            if skipped:
+                self._complain(step, vector.tolist())
+            else:
+                for stage in self.stages:
+                    stage.update()
+        else:
+            found_inf = total.mul(0).nan_to_num(1.0).float()  # 1.0 for inf or NaN, else 0.0
+            self._step_on_device(found_inf)
+            skipped = found_inf.bool()
+            self._unreported.append((step, HostCopy(vector)))
+        metrics: dict = {"grad_norm": norm, "skipped_step": skipped}
+        if self.scaler is not None:
+            metrics["loss_scale"] = scale
+            self.scaler.update(found_inf)
+        return vector[self.count], metrics
 
-    def _scale_gradients(self, factor: float) -> None:
+    def report(self, wait: bool) -> None:
+        """Warn of the skipped steps whose flags reached the host (``wait``: of all of them,
+        waiting for them if need be)."""
+        while self._unreported and (wait or self._unreported[0][1].ready()):
+            step, copy = self._unreported.pop(0)
+            self._complain(step, copy.values())
+
+    def _complain(self, step: int, vector: list[float]) -> None:
+        """Warn of (or raise for) skipped step ``step`` from its agreement ``vector``."""
+        gradients = [s for s, v in enumerate(vector[: self.count]) if not _finite(v)]
+        loss = not _finite(vector[self.count])
+        if not loss and (not gradients or self.scaler is not None):
+            return  # fine, or an fp16 overflow: the loss scale deals with it
+        what = [f"gradients on stage{'s' * (len(gradients) > 1)} "
+                f"{', '.join(map(str, gradients))}"] if gradients else []
+        what += [f"the loss (stage {self.count - 1})"] if loss else []
+        text = f"step {step}: non-finite {' and '.join(what)}"
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{text}; the step was skipped on every rank (weights and optimizer state "
+                "untouched). Check the batch and the learning rate, or pass "
+                "Pipeline(nonfinite='skip') to skip such steps with a warning"
+            )
+        warnings.warn(
+            f"{text}: the step was skipped on every rank (weights, optimizer state and "
+            "learning-rate schedule untouched); pass Pipeline(nonfinite='raise') to stop "
+            "instead", RuntimeWarning, stacklevel=4,
+        )
+
+    def _step_on_device(self, found_inf: torch.Tensor) -> None:
+        """Every stage's step, which the optimizer itself skips where ``found_inf`` is 1."""
         for stage in self.stages:
-            grads = [p.grad for p in _stepped(stage) if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor)
+            optimizer = stage.optimizer
+            if optimizer is None:
+                continue
+            optimizer.found_inf = found_inf.to(stage.device)  # type: ignore[attr-defined]
+            try:
+                stage.update()
+            finally:
+                optimizer.found_inf = None  # type: ignore[attr-defined]
 
-    def _global_norm(self) -> float:
-        device = self.stages[0].device
-        local = torch.zeros((), dtype=torch.float64, device=device)
-        for params in self._counted:
+    def _scale_gradients(self, factor: torch.Tensor) -> None:
+        for stage, params in zip(self.stages, self._stepped, strict=True):
             grads = [p.grad for p in params if p.grad is not None]
-            if grads:  # one sum per stage, on its device; one transfer per stage
-                norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
-                                     for g in grads])
-                local += norms.square().sum().to(device)
-        return math.sqrt(float(self.reduce(local / self.replicas)))
+            if grads:
+                torch._foreach_mul_(grads, factor.to(stage.device))
+
+    def _agreement(self) -> torch.Tensor:
+        """The agreement vector (module docstring, 2), summed over every rank."""
+        entries = [self._zero] * (self.count + 1)
+        for stage, params in zip(self.stages, self._counted, strict=True):
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:  # fp32 norms of every gradient, as clip_grad_norm_ computes them
+                norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+                entries[stage.index] = torch.dot(norms, norms).to(self.device)
+            if stage.is_last and stage.losses:
+                losses = torch.stack(list(stage.losses.values()))
+                entries[self.count] = losses.mean(dtype=torch.float64).to(self.device)
+        vector = torch.stack(entries).double()
+        if self.replicas > 1:
+            vector /= self.replicas
+        return self.reduce(vector)
+
+
+def _finite(value: float) -> bool:
+    return value - value == 0
 
 
 def check_options(
@@ -159,3 +260,12 @@ def check_options(
             "such as '1f1b' or 'interleaved' to clip, or drop clip_grad_norm"
         )
     return dtype
+
+
+def check_nonfinite(mode: object) -> None:
+    """Refuse an unknown ``nonfinite`` mode, naming the choices."""
+    if mode not in NONFINITE:
+        raise ValueError(
+            f"nonfinite must be 'skip' (skip a step whose loss or gradients are not finite, "
+            f"with a warning) or 'raise' (stop with NonFiniteError), got {mode!r}"
+        )
