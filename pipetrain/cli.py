@@ -40,8 +40,7 @@ from partitioner import (
 )
 from pipetrain import __version__
 from pipetrain.errors import CheckpointError
-from schedules import GENERATORS, Simulation
-from schedules.generators import SPLIT_BACKWARD
+from schedules import Simulation, lookup, names
 
 PROG = "pipetrain"
 PIPEDREAM_PREFIX = "pipedream:"
@@ -260,7 +259,7 @@ def schedule_notes(plan: Plan) -> list[str]:
             f"{plan.stages // plan.pipeline_ranks} virtual stages per rank (stage s on rank "
             f"s mod {plan.pipeline_ranks}); train with {plan.pipeline_ranks} devices"
         )
-    if plan.schedule in SPLIT_BACKWARD:
+    if lookup(plan.schedule).split_backward:
         notes.append(
             f"{plan.schedule} splits each backward into B (input gradient) and W (weight "
             "gradient); the profile times only the whole backward, so W is taken as half of it "
@@ -616,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("profile")
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(GENERATORS))
+    p.add_argument("--schedule", default="1f1b", choices=names())
     p.add_argument("--memory", type=_bytes_arg, help="per device, e.g. 16GiB")
     p.add_argument(
         "--devices",
@@ -638,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source")
     p.add_argument("--balance", help="layers per stage, e.g. 3,5 (for a profile)")
     p.add_argument("--microbatches", type=int)
-    p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
+    p.add_argument("--schedule", choices=names(), help="default: the plan's, or 1f1b")
     p.add_argument("--png", help="draw the simulated timeline here (needs matplotlib)")
     _add_planning_options(p)
     p.set_defaults(run=cmd_simulate)

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from schedules import lookup
+
 METHODS = ("spike", "lag-lr", "lag-momentum", "pipemare")
 AUTO = "auto"  # the default of weight_prediction and delay_compensation: the study's pick
 LR_RULES = {"lag-lr": "lag", "lag-momentum": "momentum", "pipemare": "pipemare"}
@@ -149,11 +151,12 @@ def default_compensation(
     prediction alone on the language model over a long run, nor for other optimizers."""
     if not isinstance(optimizer, torch.optim.SGD):
         return None
+    per_microbatch = lookup(schedule).update_per_microbatch  # "pipedream"
     try:
         check_compensable(optimizer, DelayCompensation(spike=True))
     except CompensationError:  # nesterov, dampening or maximize: no spike
-        return DelayCompensation(lr_rule="momentum") if schedule == "pipedream" else None
-    return DelayCompensation(spike=True, lr_rule="momentum" if schedule == "pipedream" else None)
+        return DelayCompensation(lr_rule="momentum") if per_microbatch else None
+    return DelayCompensation(spike=True, lr_rule="momentum" if per_microbatch else None)
 
 
 class Compensator:

@@ -16,21 +16,9 @@ from torch import nn
 from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.planning import load_plan
-from pipetrain.stage import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    checkpoint_stop,
-    default_checkpoint,
-)
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, checkpoint_stop
 from pipetrain.update import check_options
-from schedules import GENERATORS
-from schedules.generators import MULTI_STAGE_PER_RANK
-
-RUNNABLE = frozenset(  # the executor runs
-    {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw"}
-)
-ASYNCHRONOUS = ("pipedream", "pipedream-2bw")
+from schedules import lookup, names
 
 
 def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -82,13 +70,13 @@ class PipelineConfig:
     @property
     def asynchronous(self) -> bool:
         """Whether the schedule never flushes between steps (PipeDream's family)."""
-        return self.schedule in ASYNCHRONOUS
+        return lookup(self.schedule).asynchronous
 
     def check_planned_ranks(self, ranks: int, placed: bool) -> None:
         """Refuse to run a plan's virtual stages on other than its number of ranks, once the
         devices or processes are ``placed`` (known)."""
         planned = self.planned_ranks
-        if self.schedule in MULTI_STAGE_PER_RANK and planned not in (None, ranks) and placed:
+        if lookup(self.schedule).multi_stage_per_rank and planned not in (None, ranks) and placed:
             raise ValueError(
                 f"the plan runs its {len(self.balance)} {self.schedule} stages on {planned} "
                 f"ranks but this pipeline has {ranks}; pass {planned} devices (or run "
@@ -136,23 +124,24 @@ class PipelineConfig:
             )
         chunks = 1 if chunks is None else chunks
         schedule = schedule or "1f1b"
-        asynchronous = schedule in ASYNCHRONOUS
+        spec = lookup(schedule)
+        if not spec.runnable:
+            runnable = [name for name in names() if lookup(name).runnable]
+            raise ValueError(
+                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
+                f"the runtime does not execute it yet; train with one of {runnable}"
+            )
         _check_asynchronous_options(
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
         compensation = parse_option(delay_compensation)
-        checkpoint = checkpoint or default_checkpoint(schedule)
+        checkpoint = checkpoint or spec.checkpoint
         dtype = check_options(
-            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
+            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, spec.asynchronous
         )
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, chunks)
-        if schedule in GENERATORS and schedule not in RUNNABLE:
-            raise ValueError(
-                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
-                f"the runtime does not execute it yet; train with one of {sorted(RUNNABLE)}"
-            )
         return cls(
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
             checkpoint=checkpoint, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
@@ -187,17 +176,18 @@ def _check_asynchronous_options(
 ) -> None:
     """Recomputation is refused under the asynchronous schedules, their weight options under
     the others."""
-    if schedule in ASYNCHRONOUS and checkpoint not in (None, "never"):
+    asynchronous = [name for name in names() if lookup(name).asynchronous]
+    if schedule in asynchronous and checkpoint not in (None, "never"):
         raise ValueError(
             f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
             f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
             "weights instead: use checkpoint='never'"
         )
-    if schedule not in ASYNCHRONOUS and (
+    if schedule not in asynchronous and (
         weight_prediction not in (None, AUTO) or not weight_stashing
         or delay_compensation not in (None, AUTO)
     ):
         raise ValueError(
             "weight_stashing, weight_prediction and delay_compensation apply to the "
-            f"asynchronous schedules 'pipedream' and 'pipedream-2bw', not to {schedule!r}"
+            f"asynchronous schedules {' and '.join(map(repr, asynchronous))}, not to {schedule!r}"
         )

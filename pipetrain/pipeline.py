@@ -42,8 +42,7 @@ from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.update import Update, learning_rate
 from pipetrain.weights import stage_versions
-from schedules import Kind, Schedule, build, drain, for_call, validate
-from schedules.generators import MULTI_STAGE_PER_RANK
+from schedules import Kind, Schedule, build, drain, for_call, inflight, lookup, validate
 
 Tie = tuple[nn.Parameter, tuple[int, ...]]  # a weight shared by stages, and those stages
 
@@ -72,7 +71,7 @@ def pipeline_ranks(
 ) -> int:
     """How many ranks run the pipeline: one per stage, except for schedules that put several
     stages on a rank, where the devices (or the processes of one replica) count them."""
-    if schedule not in MULTI_STAGE_PER_RANK:
+    if not lookup(schedule).multi_stage_per_rank:
         if devices is not None and len(devices) != stages:
             raise ValueError(
                 f"devices lists {len(devices)} devices for {stages} stages; give one "
@@ -100,7 +99,8 @@ class Pipeline:
     ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
     micro-batch count and checkpoint mode unless those are passed too; a plan made for another
     model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
-    schedule needs it (``stage.default_checkpoint``: "except_last" under "gpipe", else "never");
+    schedule needs it (its entry in schedules/registry.py: "except_last" under "gpipe", else
+    "never");
     ``checkpoint`` holds the mode in force, ``config`` every option as resolved
     (pipetrain/config.py).
     ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
@@ -309,15 +309,18 @@ class Pipeline:
                 weight_prediction=config.weight_prediction, compensation=config.compensation,
                 schedule=config.schedule,
             )
-        return Stage(
+        stage = Stage(
             module=module, index=index, count=len(parts), offset=offset, device=device,
             optimizer=config.optimizer, loss_fn=config.loss_fn, checkpoint=config.checkpoint,
             track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
             split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
             autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
             weight_versions=versions,
-            loss_divisor=1 if config.schedule == "pipedream" else None,
+            loss_divisor=schedule.update_every or None,  # micro-batches per update
         )
+        if stage.ledger is not None:
+            stage.ledger.bound = inflight(schedule)[index]
+        return stage
 
     def _start_training(self, ties: list[Tie]) -> None:
         """The state of training: the step across stages (fp16's loss scale, clipping), the

@@ -25,8 +25,9 @@ from pipetrain.memory import ActivationLedger
 from pipetrain.precision import autocast, to_boundary
 from pipetrain.rng import StageRng, State, draw_seeds
 from pipetrain.weights import WeightVersions
+from schedules.registry import RECOMPUTE_MODES
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+CHECKPOINT_MODES = RECOMPUTE_MODES  # a schedule's default is its registry entry's
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -58,15 +59,6 @@ def build_optimizer(
             "schedule (LambdaLR, CosineAnnealingLR, ...) as lr_scheduler"
         )
     return built, scheduler
-
-
-def default_checkpoint(schedule: str) -> str:
-    """The recompute mode a schedule gets unless told otherwise. GPipe holds every
-    micro-batch's activations until its backwards start, so it recomputes all but the last
-    micro-batch ("except_last"); 1F1B, interleaved, zero-bubble and the asynchronous schedules
-    hold at most about a pipeline depth of micro-batches, where recomputing costs throughput
-    (a quarter of it under 1F1B) for little memory, so they keep activations ("never")."""
-    return "except_last" if schedule == "gpipe" else "never"
 
 
 # W's work for one micro-batch: (tensors, their gradients, the weights to reach from them)
