@@ -43,6 +43,7 @@ from pipetrain.meta import (
     unflatten,
 )
 from pipetrain.stage import Stage
+from pipetrain.tags import ACTIVATION, GRADIENT, HEADER, TagLayout
 from pipetrain.trace import Recorder
 from pipetrain.transport import Handle, Transport
 from schedules import Action, Kind, Schedule
@@ -76,13 +77,12 @@ def _peer(action: Action) -> int:
     return peer
 
 
-def tag(action: Action, stages: int, header: bool = False) -> int:
-    """Message tag of a communication action of a ``stages``-stage pipeline: micro-batch,
-    kind and boundary (two boundaries may join the same pair of ranks); tuple members take
-    consecutive tags."""
-    lane = 2 if header else int(action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD))
-    boundary = min(action.stage, _peer(action))
-    return ((action.microbatch * 3 + lane) * max(stages - 1, 1) + boundary) * 64
+def tag(action: Action, layout: TagLayout, header: bool = False) -> int:
+    """The first message tag of a communication action (pipetrain/tags.py): its micro-batch,
+    lane and boundary."""
+    gradient = action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+    lane = HEADER if header else GRADIENT if gradient else ACTIVATION
+    return layout.tag(action.microbatch, lane, min(action.stage, _peer(action)))
 
 
 class Executor:
@@ -120,8 +120,12 @@ class Executor:
         ]
         self._losses_at = last_forwards[-1] if last_forwards else -1
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
+        self._cycle = schedule.microbatches + schedule.stages  # asynchronous: see _tag
         if schedule.asynchronous:
             self.chunks = schedule.microbatches
+        self.tags = TagLayout(
+            schedule.stages, self._cycle if schedule.asynchronous else schedule.microbatches
+        )
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
         # Each stage's gradient syncs arm before its last action that makes weight gradients.
         grads = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
@@ -222,9 +226,9 @@ class Executor:
 
     def _tag(self, action: Action, header: bool = False) -> int:
         if self.schedule.asynchronous:  # tag by global number: a message may cross calls
-            cycle = self.schedule.microbatches + self.schedule.stages
-            action = Action(action.kind, action.stage, (self.base + action.microbatch) % cycle)
-        return tag(action, self.schedule.stages, header)
+            number = (self.base + action.microbatch) % self._cycle
+            action = Action(action.kind, action.stage, number)
+        return tag(action, self.tags, header)
 
     def _wait(self, action: Action, handle: Handle) -> list[torch.Tensor]:
         try:

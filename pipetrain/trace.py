@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipetrain.tags import CLOCK_TAG
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
 from schedules.action import COMPUTE, RECVS, SENDS, TIMED
 from schedules.simulate import Cores
@@ -173,13 +174,13 @@ def measure_clock_offset(
     for peer in ranks[1:]:
         for _ in range(rounds):
             if me == ranks[0]:
-                dist.recv(ping, peer, group=group)
+                dist.recv(ping, peer, group=group, tag=CLOCK_TAG)
                 ping[0] = time.perf_counter()
-                dist.send(ping, peer, group=group)
+                dist.send(ping, peer, group=group, tag=CLOCK_TAG)
             elif me == peer:
                 sent = time.perf_counter()
-                dist.send(ping, ranks[0], group=group)
-                dist.recv(ping, ranks[0], group=group)
+                dist.send(ping, ranks[0], group=group, tag=CLOCK_TAG)
+                dist.recv(ping, ranks[0], group=group, tag=CLOCK_TAG)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
     if me == ranks[0]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommunicationTimeout, PeerError
 from pipetrain.meta import TensorMeta, empty_like_meta
+from pipetrain.tags import BREAK_TAG, tensor_tags
 
 
 class Handle(ABC):
@@ -72,7 +73,6 @@ class _DistributedHandle(Handle):
 
 
 STORE_WAIT = 1.0  # seconds a look-up in the rendezvous store may take (its host may be stuck)
-_BREAK_TAG = 2**30  # no message carries it: a receive on it only times out, closing the link
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -109,7 +109,10 @@ class DistributedTransport(Transport):
         dst = self.ranks[peer]
         ready = [t.contiguous() for t in tensors]
         try:
-            works = [dist.isend(t, dst, group=self.group, tag=tag + k) for k, t in enumerate(ready)]
+            works = [
+                dist.isend(t, dst, group=self.group, tag=number)
+                for number, t in zip(tensor_tags(tag, len(ready)), ready, strict=True)
+            ]
         except RuntimeError as error:  # the link to a dead peer is already closed
             self.raise_failure(error)
         return _DistributedHandle(works, ready, self)
@@ -119,7 +122,8 @@ class DistributedTransport(Transport):
         buffers = empty_like_meta(metas, self.device)
         try:
             works = [
-                dist.irecv(t, src, group=self.group, tag=tag + k) for k, t in enumerate(buffers)
+                dist.irecv(t, src, group=self.group, tag=number)
+                for number, t in zip(tensor_tags(tag, len(buffers)), buffers, strict=True)
             ]
         except RuntimeError as error:
             self.raise_failure(error)
@@ -142,7 +146,7 @@ class DistributedTransport(Transport):
             if peer == me:
                 continue
             try:
-                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=_BREAK_TAG)
+                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=BREAK_TAG)
                 if probe is not None:
                     probe.wait(timeout=timedelta(milliseconds=1))
             except RuntimeError:  # timed out (the link is closed now) or closed already
