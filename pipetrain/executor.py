@@ -42,12 +42,14 @@ from pipetrain.meta import (
     flatten,
     unflatten,
 )
+from pipetrain.progress import logger
 from pipetrain.stage import Stage
 from pipetrain.tags import ACTIVATION, GRADIENT, HEADER, TagLayout
 from pipetrain.trace import Recorder
 from pipetrain.transport import Handle, Transport
 from schedules import Action, Kind, Schedule
 from schedules.action import COMPUTE, RECVS
+from schedules.listing import excerpt
 
 Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
 HEADER_META = (TensorMeta((HEADER_LEN,), torch.int64, False),)
@@ -174,13 +176,25 @@ class Executor:
             else:
                 self._finish_sends()
         except PeerError as error:
+            if isinstance(error, CommunicationTimeout):  # where each rank waits tells a hang
+                self._show_place(error)
             self.transport.abort(f"{self._where()} stopped: {error}")
             raise
         except Exception as error:
+            self._show_place(error)
             reason = str(error) if isinstance(error, StageError) else repr(error)
             self.transport.abort(f"{self._where()} failed: {reason}")
             raise
         return self._outputs
+
+    def _show_place(self, error: Exception) -> None:
+        """Note on ``error`` (shown with its traceback) and log this rank's actions around the
+        one that failed, marked."""
+        if not self.actions:
+            return
+        place = excerpt(self.schedule, self.rank, self._position)
+        error.add_note(place)
+        logger.error("%s failed:\n%s", self._where(), place)
 
     def _where(self) -> str:
         """The stage at work (and its rank when a rank holds several stages)."""
