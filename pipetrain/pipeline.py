@@ -96,57 +96,87 @@ def pipeline_ranks(
 class Pipeline:
     """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
 
-    ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
-    micro-batch count and checkpoint mode unless those are passed too; a plan made for another
-    model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation recomputation as the
-    schedule needs it (its entry in schedules/registry.py: "except_last" under "gpipe", else
-    "never");
-    ``checkpoint`` holds the mode in force, ``config`` every option as resolved
-    (pipetrain/config.py).
-    ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
-    (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
-    ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
-    writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
-    rank. ``progress`` prints each step's metrics on the first rank (an int: the total steps,
-    for a bar); ``metrics`` holds them after every step on every rank. Its ``peak_memory`` has
-    a figure per device of this process ("cuda:N": the GPU's peak allocation, "cpu(process)":
-    the process's peak resident set, which stages sharing the process share), and on the
-    first rank of a multi-process run with ``progress``, one per rank ("rankN").
-    ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
-    steps are done), and with ``checkpoint_every=N`` saves one every N steps.
-    Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
-    ranks (replicas default to world size / stages): replica k's stage s is rank
-    k * stages + s, and each stage's replicas average their gradients before every optimizer
-    step. With ``devices`` every stage runs here, stage s on ``devices[s]``. Weights shared by
-    layers on different stages stay identical: their gradients are summed across those stages.
-    Each stage draws its random numbers (dropout) from a stream of its own, seeded from torch's
-    global generator when the pipeline is built (call ``torch.manual_seed`` first for a
-    reproducible run, the same in either mode); a recomputed micro-batch replays its forward's
-    draws, and checkpoints save the streams (see pipetrain/rng.py).
+    Without ``devices`` this process is one rank of a torchrun job of ``stages x replicas``
+    ranks: replica k's stage s is rank k * stages + s, and each stage's replicas average their
+    gradients before every optimizer step. With ``devices`` every stage runs here as a thread,
+    stage s on ``devices[s]``. Both run the same schedule and train like one process would.
+    Weights shared by layers on different stages stay identical: their gradients are summed
+    across those stages. Each stage draws its random numbers (dropout) from a stream of its
+    own, seeded from torch's global generator when the pipeline is built (call
+    ``torch.manual_seed`` first for a reproducible run, the same in either mode); a recomputed
+    micro-batch replays its forward's draws, and checkpoints save the streams (pipetrain/rng.py).
 
-    Asynchronous schedules ("pipedream", "pipedream-2bw"; see schedules/asynchronous.py) never
-    flush between train_steps: ``weight_stashing`` (default True) makes a micro-batch's forward
-    and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
-    "msnag" or None) runs both on the weights predicted after the stage's lag instead
-    (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
-    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "lag-momentum",
-    "pipemare", several joined by "+", or a DelayCompensation) changes the updates of the late
-    gradients instead (pipetrain/compensation.py), with or without prediction. Both default to
-    "auto", the staleness study's pick (docs/staleness.md): prediction for SGD with momentum,
-    Adam and AdamW, and for SGD "spike+lag-momentum" under "pipedream", "spike" under
-    "pipedream-2bw"; plain weight stashing for other optimizers.
-    ``weight_prediction=None, delay_compensation=None`` is PipeDream's weight stashing.
-    ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
+    Args:
+        model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
+        balance: layers per stage, e.g. ``[4, 8]``; its entries sum to ``len(model)``. Leave it
+            out when ``plan`` gives it.
+        plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
+            and the schedule, micro-batch count and checkpoint mode unless those are passed
+            too. A plan made for another model is refused.
+        chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
+            a multiple of it.
+        schedule: the schedule's name in schedules/registry.py (default "1f1b", or the
+            plan's): "gpipe", "1f1b", "interleaved" (several stages per rank; pass as many
+            devices or processes as ranks), "zb-h1", "zb-h2" (zero bubble, split backward),
+            or the asynchronous "pipedream" and "pipedream-2bw", which never flush between
+            steps (see ``weight_stashing``).
+        checkpoint: activation recomputation, "never", "except_last" or "always" (torchgpipe's
+            modes). Default: the plan's, else the schedule's entry ("except_last" under
+            "gpipe", else "never"). The asynchronous schedules refuse recomputation.
+        loss_fn: ``loss_fn(output, target)``, a scalar, on the last stage; the step's loss is
+            its mean over the micro-batches.
+        optimizer: a factory, ``lambda params: torch.optim.AdamW(params, ...)``: each stage
+            builds its own optimizer of its parameters.
+        devices: one device per rank to run every stage in this process; None (default) runs
+            this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
+        group: the process group of the job (default: the whole world).
+        replicas: data-parallel copies of the pipeline (default: world size / ranks per
+            pipeline).
+        timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
+            (default 300).
+        deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
+            rather than of the last micro-batch (pipetrain/batchnorm.py).
+        track_memory: count the bytes each stage saves for backward (``stage.ledger``), and
+            hold each stage to the micro-batches its schedule keeps in flight.
+        trace: a folder where each rank writes the actions it ran, with times (``pipetrain
+            trace DIR`` merges them); the same on every rank. Default: the PIPETRAIN_TRACE
+            environment variable, else off.
+        progress: print each step's metrics on the first rank; an int is the total number of
+            steps, for a progress bar.
+        checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
+            tells how many steps are done).
+        checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
+            steps (0, the default: never).
+        weight_stashing: asynchronous schedules: a micro-batch's forward and backward read one
+            weight version (default True). False without prediction is PipeDream's naive,
+            inconsistent variant.
+        weight_prediction: asynchronous schedules: "momentum", "spectrain" or "msnag" run both
+            passes on the weights predicted after the stage's lag (pipetrain/weights.py); None
+            stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
+            prediction for SGD with momentum, Adam and AdamW.
+        precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
+            sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
+            whose overflow check every rank agrees on (pipetrain/precision.py).
+        clip_grad_norm: clip by the norm of the whole model's gradients, as
+            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
+        lr_scheduler: a factory, ``lambda optimizer: ...``: one learning-rate schedule per
+            stage optimizer, stepped after each of its steps.
+        delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
+            "pipemare", several joined by "+", or a DelayCompensation: changes the updates of
+            late gradients (pipetrain/compensation.py), with or without prediction. Default
+            "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
+            "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
+            delay_compensation=None`` is PipeDream's weight stashing.
 
-    ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
-    builds its own. ``lr_scheduler`` (``lambda optimizer: ...``) builds one schedule per stage
-    optimizer, stepped after each of its steps. ``precision`` "bf16" or "fp16" runs each stage
-    under autocast and sends activations in that dtype; "fp16" adds a dynamic loss scale
-    (``pipe.scaler``) whose overflow check every rank agrees on (pipetrain/precision.py).
-    ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
-    ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
-    ``metrics`` then also holds "lr", "grad_norm" (before clipping) and, for fp16,
-    "loss_scale" and "skipped_step".
+    After construction, ``config`` holds every option as resolved (pipetrain/config.py),
+    ``checkpoint`` the recomputation mode in force, ``schedule`` the schedule, ``stages`` this
+    process's stages and ``step`` the steps done. ``metrics`` holds each step's figures on
+    every rank: "loss", "step_time", "samples_per_second", "stage_bubble",
+    "stage_peak_memory" and "peak_memory" (per device of this process, "cuda:N" the GPU's
+    peak allocation, "cpu(process)" the process's peak resident set; on the first rank of a
+    multi-process run with ``progress``, one per rank "rankN"), "lr", "grad_norm" (before
+    clipping) and, for fp16, "loss_scale" and "skipped_step". ``flush()`` drains an
+    asynchronous pipeline; ``eval_step`` and ``save`` call it.
     """
 
     def __init__(
@@ -390,7 +420,18 @@ class Pipeline:
         the last stage has no lag, so every micro-batch fed here finishes its loss in this call
         (computed with the weights each stage had, or was predicted to have, at its forward).
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
-        that forward, not for the backwards behind it."""
+        that forward, not for the backwards behind it.
+
+        Args:
+            x: the mini-batch's input, a Tensor or a tuple of Tensors split along dimension 0
+                into ``chunks`` micro-batches. Only the first stage reads it: other ranks may
+                pass None.
+            y: the targets ``loss_fn`` compares the output with, split the same way; only the
+                last stage reads it (None elsewhere).
+
+        Returns:
+            The mini-batch's mean loss, the same on every rank (averaged over replicas).
+        """
         _check_batches(x, y)
         start = time.perf_counter()
         self._loss = None
@@ -438,7 +479,9 @@ class Pipeline:
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run every in-flight micro-batch's backward and its
         update, so that the weights are settled. Every rank calls it; a no-op when nothing is in
-        flight (always, for synchronous schedules). The next train_step warms up again."""
+        flight (always, for synchronous schedules). The next train_step warms up again. It
+        takes no arguments: it drains what earlier ``train_step`` calls left in flight.
+        """
         if not self.in_flight:
             return
         self._run(drain(self.schedule, self._calls), None, None, training=True)
@@ -447,7 +490,15 @@ class Pipeline:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
-        previous one whole. An asynchronous pipeline is flushed first."""
+        previous one whole. An asynchronous pipeline is flushed first.
+
+        Args:
+            folder: where the checkpoints live; each save adds one named by the step (the same
+                folder on every rank, shared when ranks run on several machines).
+
+        Returns:
+            The folder written (``folder`` itself on replicas that do not write).
+        """
         self.flush()
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
@@ -458,8 +509,15 @@ class Pipeline:
         )
 
     def load(self, folder: str | os.PathLike) -> int | None:
-        """Restore the newest checkpoint in ``folder`` (made under any balance); return its
-        step, or None if there is none. Every rank calls it."""
+        """Restore the newest checkpoint in ``folder`` (made under any balance); every rank
+        calls it. An asynchronous pipeline is flushed first.
+
+        Args:
+            folder: a folder ``save`` wrote checkpoints to.
+
+        Returns:
+            The step of the checkpoint restored (also ``self.step``), or None if there is none.
+        """
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
         resumed = checkpointing.load(folder, self.stages, self.scaler)
         if resumed is None:
@@ -523,9 +581,17 @@ class Pipeline:
         return [float(t[0]) for t in every], [float(t[1]) for t in every]
 
     def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
-        """Forward only, in eval mode and without gradients; the output on the last stage
-        (None elsewhere). An asynchronous pipeline is flushed first: evaluation sees settled
-        weights."""
+        """Forward only, in eval mode and without gradients. An asynchronous pipeline is
+        flushed first: evaluation sees settled weights.
+
+        Args:
+            x: the input, a Tensor or a tuple of Tensors split along dimension 0 into
+                ``chunks`` micro-batches; only the first stage reads it (None elsewhere).
+
+        Returns:
+            The model's output for the whole batch on the rank of the last stage (in one
+            process: here), None on other ranks.
+        """
         _check_batches(x, None)
         self.flush()
         modes = [stage.module.training for stage in self.stages]
