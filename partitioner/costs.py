@@ -119,7 +119,8 @@ class Problem:
     @property
     def cost(self) -> np.ndarray:
         """Forward + backward seconds of each layer."""
-        return self.forward + self.backward
+        total: np.ndarray = self.forward + self.backward
+        return total
 
 
 def _layer_array(values: Values | None, layers: int, kind: type, what: str) -> np.ndarray:

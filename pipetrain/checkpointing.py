@@ -29,6 +29,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def _parameter_names(stage: Stage) -> dict[int, str]:
     return {id(p): name for name, p in stage.module.named_parameters()}
 
 
-def _optimizer_state(stage: Stage) -> dict:
+def _optimizer_state(stage: Stage) -> dict[str, Any]:
     """The optimizer's state with parameters named, not numbered, so it re-slices."""
     if stage.optimizer is None:
         return {}
@@ -79,11 +80,11 @@ def _optimizer_state(stage: Stage) -> dict:
     }
 
 
-def _saver(payload: dict) -> Callable[[Path], None]:
+def _saver(payload: dict[str, Any]) -> Callable[[Path], None]:
     return lambda path: torch.save(payload, path)
 
 
-def _hyper(group: dict) -> dict:
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
@@ -91,12 +92,12 @@ def _compensator(stage: Stage) -> Compensator | None:
     return stage.versions.compensator if stage.versions is not None else None
 
 
-def _compensation_state(stage: Stage) -> dict | None:
+def _compensation_state(stage: Stage) -> dict[str, Any] | None:
     compensator = _compensator(stage)
     return compensator.state_dict() if compensator is not None else None
 
 
-def _rng_state(stage: Stage) -> dict:
+def _rng_state(stage: Stage) -> dict[str, Any]:
     """The process's generators and the stage's own stream (pipetrain/rng.py)."""
     state = {
         "torch": torch.get_rng_state(),
@@ -109,7 +110,7 @@ def _rng_state(stage: Stage) -> dict:
 
 
 def save(
-    folder: str | os.PathLike,
+    folder: str | os.PathLike[str],
     step: int,
     stages: Sequence[Stage],
     barrier: Callable[[], None],
@@ -198,7 +199,7 @@ def _complete(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
 
 
-def latest(folder: str | os.PathLike) -> Path | None:
+def latest(folder: str | os.PathLike[str]) -> Path | None:
     """The checkpoint to resume from: the one ``latest`` names when it is complete, else the
     newest complete one (with a warning). None for a folder without checkpoints (a fresh
     start); CheckpointError when it has step folders but none is complete."""
@@ -236,7 +237,7 @@ def saved_after(path: Path) -> frozenset[str]:
     )
 
 
-def _read_stage(file: Path, device: torch.device) -> dict:
+def _read_stage(file: Path, device: torch.device) -> dict[str, Any]:
     """One stage file, or a CheckpointError naming it and what is wrong with it."""
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
@@ -255,7 +256,7 @@ def _read_stage(file: Path, device: torch.device) -> dict:
     return payload
 
 
-def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
+def _read_checkpoint(path: Path, device: torch.device) -> list[dict[str, Any]]:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as error:
@@ -267,7 +268,7 @@ def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
     return [_read_stage(path / f"stage-{s}.pt", device) for s in range(manifest["stages"])]
 
 
-def _load_files(path: Path, device: torch.device) -> list[dict]:
+def _load_files(path: Path, device: torch.device) -> list[dict[str, Any]]:
     """Every stage file of the checkpoint at ``path``; a damaged one is refused naming it and
     the newest intact checkpoint of the folder."""
     try:
@@ -290,7 +291,7 @@ def _is_intact(path: Path) -> bool:
     return True
 
 
-def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The newest checkpoint in ``folder`` (or the checkpoint ``folder`` itself) as one plain
     state_dict of the original model."""
     root = Path(folder)
@@ -309,7 +310,7 @@ def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load(
-    folder: str | os.PathLike, stages: Sequence[Stage], scaler: LossScaler | None = None
+    folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None = None
 ) -> tuple[int, Path] | None:
     """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
     any balance); return its step and path, or None when there is none yet."""
@@ -318,8 +319,8 @@ def load(
         return None
     payloads = _load_files(path, stages[0].device)
     modules: dict[str, torch.Tensor] = {}
-    optimizer_state: dict[str, dict] = {}
-    groups: list[dict] = []
+    optimizer_state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
     for payload in payloads:
         modules.update(payload["module"])
         optimizer_state.update(payload["optimizer"].get("state", {}))
@@ -345,7 +346,7 @@ def load(
     return int(payloads[0]["step"]), path
 
 
-def _set_rng(state: dict, device: torch.device) -> None:
+def _set_rng(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"].cpu())
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and device.type == "cuda":
@@ -353,7 +354,8 @@ def _set_rng(state: dict, device: torch.device) -> None:
 
 
 def _restore_stage(
-    stage: Stage, modules: dict, optimizer_state: dict, groups: list[dict], path: Path
+    stage: Stage, modules: dict[str, Any], optimizer_state: dict[str, Any],
+    groups: list[dict[str, Any]], path: Path,
 ) -> None:
     wanted = stage.module.state_dict().keys()
     missing = sorted(set(wanted) - modules.keys())

@@ -97,7 +97,7 @@ def _import_factory(target: str) -> Callable[..., Any]:
         raise UsageError(
             f"importing {module_name!r} failed: {type(error).__name__}: {error}"
         ) from None
-    factory = getattr(module, attr, None)
+    factory: Callable[..., Any] | None = getattr(module, attr, None)
     if not callable(factory):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise UsageError(
@@ -564,7 +564,7 @@ def _host(args: argparse.Namespace, default: Host | None = None) -> Host:
         raise UsageError(str(error)) from None
 
 
-def _add_profile_command(sub: argparse._SubParsersAction) -> None:
+def _add_profile_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``pipetrain profile``: its arguments."""
     p = sub.add_parser(
         "profile",

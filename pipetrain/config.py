@@ -61,9 +61,9 @@ class PipelineConfig:
     compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
     deferred_batch_norm: bool
     track_memory: bool
-    trace: str | os.PathLike | None
+    trace: str | os.PathLike[str] | None
     progress: bool | int
-    checkpoint_dir: str | os.PathLike | None
+    checkpoint_dir: str | os.PathLike[str] | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
 
@@ -89,7 +89,7 @@ class PipelineConfig:
         model: nn.Sequential,
         balance: Sequence[int] | None = None,
         *,
-        plan: str | os.PathLike | Plan | None = None,
+        plan: str | os.PathLike[str] | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
         checkpoint: str | None = None,
@@ -98,9 +98,9 @@ class PipelineConfig:
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
-        trace: str | os.PathLike | None = None,
+        trace: str | os.PathLike[str] | None = None,
         progress: bool | int = False,
-        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = AUTO,

@@ -166,5 +166,5 @@ class DelayedPipeline:
             return
         tensors = output if isinstance(output, tuple) else (output,)
         self._acts[s + 1][unit] = tuple(
-            t.detach().requires_grad_(t.requires_grad) for t in tensors  # type: ignore[union-attr]
+            t.detach().requires_grad_(t.requires_grad) for t in tensors
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -137,7 +137,7 @@ class Executor:
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
 
-    def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list:
+    def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
         when not training, else an empty list; losses stay in ``stage.losses``."""
         self._inputs, self._targets = inputs, targets

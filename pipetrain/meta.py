@@ -67,7 +67,9 @@ def flatten(value: object, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
-def unflatten(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor | tuple:
+def unflatten(
+    tensors: Sequence[torch.Tensor], is_tuple: bool
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return tuple(tensors) if is_tuple else tensors[0]
 
 

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,8 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 def pipeline_ranks(
-    schedule: str, stages: int, devices: Sequence | None, group: dist.ProcessGroup | None,
-    replicas: int | None,
+    schedule: str, stages: int, devices: Sequence[str | torch.device] | None,
+    group: dist.ProcessGroup | None, replicas: int | None,
 ) -> int:
     """How many ranks run the pipeline: one per stage, except for schedules that put several
     stages on a rank, where the devices (or the processes of one replica) count them."""
@@ -184,7 +184,7 @@ class Pipeline:
         model: nn.Sequential,
         balance: Sequence[int] | None = None,
         *,
-        plan: str | os.PathLike | Plan | None = None,
+        plan: str | os.PathLike[str] | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
         checkpoint: str | None = None,
@@ -196,9 +196,9 @@ class Pipeline:
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
-        trace: str | os.PathLike | None = None,
+        trace: str | os.PathLike[str] | None = None,
         progress: bool | int = False,
-        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = AUTO,
@@ -377,7 +377,7 @@ class Pipeline:
             Progress(None if config.progress is True else int(config.progress))
             if config.progress else None
         )
-        self.metrics: dict = {}
+        self.metrics: dict[str, Any] = {}
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         if config.checkpoint_dir is not None:
@@ -391,7 +391,7 @@ class Pipeline:
         atexit.register(self.save_trace)
         return [recorder]
 
-    def save_trace(self, folder: str | os.PathLike | None = None) -> list[Path]:
+    def save_trace(self, folder: str | os.PathLike[str] | None = None) -> list[Path]:
         """Write this process's trace records (done at exit too when tracing)."""
         folder = folder or self.config.trace
         if folder is None:
@@ -487,7 +487,7 @@ class Pipeline:
         self._run(drain(self.schedule, self._calls), None, None, training=True)
         self._calls = 0
 
-    def save(self, folder: str | os.PathLike) -> Path:
+    def save(self, folder: str | os.PathLike[str]) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
         previous one whole. An asynchronous pipeline is flushed first.
@@ -508,7 +508,7 @@ class Pipeline:
             self._protected,
         )
 
-    def load(self, folder: str | os.PathLike) -> int | None:
+    def load(self, folder: str | os.PathLike[str]) -> int | None:
         """Restore the newest checkpoint in ``folder`` (made under any balance); every rank
         calls it. An asynchronous pipeline is flushed first.
 
@@ -537,7 +537,7 @@ class Pipeline:
 
     def _record_metrics(
         self, loss: float, step_time: float, executors: list[Executor], batch: object,
-        extra: dict,
+        extra: dict[str, Any],
     ) -> None:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
         bubbles = [1.0 - e.compute_time / step_time for e in executors]
@@ -608,7 +608,7 @@ class Pipeline:
 
     def _split(
         self, value: microbatch.Batch | None, what: str, device: torch.device
-    ) -> list | None:
+    ) -> list[Any] | None:
         if value is None:
             return None
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)

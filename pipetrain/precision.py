@@ -15,6 +15,7 @@ does in one process: halve on an overflow, double after ``growth_interval`` clea
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return DTYPES[precision]
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
+def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
     """``torch.autocast`` on ``device`` to ``dtype``; nothing for fp32 (None)."""
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
@@ -77,14 +78,14 @@ class LossScaler:
             self.scale *= self.growth_factor
             self.clean_steps = 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.scale, "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
             "clean_steps": self.clean_steps,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval, self.clean_steps = state["growth_interval"], state["clean_steps"]

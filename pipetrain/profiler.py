@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,7 +115,7 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.marks: list = []
+        self.marks: list[Any] = []
 
     def mark(self) -> None:
         if self.cuda:

@@ -8,7 +8,7 @@ import logging
 import resource
 import shutil
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -54,7 +54,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
 
-    def line(self, metrics: dict, width: int | None = None) -> str:
+    def line(self, metrics: dict[str, Any], width: int | None = None) -> str:
         """The step's metrics in one line. Within ``width`` characters (if given): the
         per-stage figures shrink to their range, then the line is cut."""
         bubbles = metrics["stage_bubble"]
@@ -88,7 +88,7 @@ class Progress:
         ])
         return text if len(text) <= width else text[: width - 1] + "…"
 
-    def update(self, metrics: dict) -> None:
+    def update(self, metrics: dict[str, Any]) -> None:
         if self.tty:
             bar = ""
             if self.total:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -200,7 +200,7 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
-    def _run_layers(self, value: object, cuts: list | None = None) -> object:
+    def _run_layers(self, value: object, cuts: list[Any] | None = None) -> object:
         """The slice's output; with ``cuts``, note each weighted layer's output there."""
         for position, layer in enumerate(self.module):
             self._layer = position  # names the culprit if a layer raises
@@ -234,7 +234,7 @@ class Stage:
             self.losses[microbatch] = loss.detach()
             saved: tuple[torch.Tensor, ...] = (loss / (self.loss_divisor or chunks),)
         else:
-            saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
+            saved = output if isinstance(output, tuple) else (output,)
         if self.versions is not None and self.versions.recomputes:
             saved = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in saved)
         self._stash[microbatch] = _Stashed(inputs, saved, cuts or [])
@@ -248,13 +248,13 @@ class Stage:
         target: object,
         chunks: int,
         start: State,
-    ) -> tuple[object, list | None]:
+    ) -> tuple[object, list[Any] | None]:
         """A training forward's output and, for a split backward, its layers' cuts. ``start``
         is the random stream's state at its start, which a recomputation replays."""
         # On the last stage the loss is part of the (possibly recomputed) work, so a
         # checkpointed micro-batch keeps nothing but its inputs.
         recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
-        cuts: list | None = [] if self.split_backward and not recomputed else None
+        cuts: list[Any] | None = [] if self.split_backward and not recomputed else None
         work: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
         versions = self.versions
         if versions is not None:  # asynchronous: the weights this micro-batch reads
@@ -274,7 +274,7 @@ class Stage:
         return output, cuts
 
     def _run_and_score(
-        self, value: object, target: object, cuts: list | None = None, score: bool = True
+        self, value: object, target: object, cuts: list[Any] | None = None, score: bool = True
     ) -> object:
         """The slice's output (in the autocast dtype, for the next stage), or on the last stage
         its loss against ``target`` (``score=False``: its output)."""
@@ -352,7 +352,7 @@ class Stage:
                 live = all(w is p for w, p in zip(weights, self._weights, strict=True))
                 with torch.enable_grad(), self.rng.replay(start):
                     out = self._functional(None if live else weights, target)(value)
-                outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
+                outputs_all = out if isinstance(out, tuple) else (out,)
             outputs = [t for t in outputs_all if t.requires_grad]
             grads = self._output_grads(outputs, grads, microbatch)
             # backward() accumulates into .grad in place: into the live parameters' when the

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,10 +132,10 @@ def load_folder(folder: str | Path) -> list[RankTrace]:
     return sorted((load(p) for p in paths), key=lambda t: t.stage)
 
 
-def chrome_trace(traces: Sequence[RankTrace]) -> dict:
+def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
     """Chrome/Perfetto trace events: one track per rank, one slice per action (µs)."""
     origin = min((s.start for t in traces for step in t.steps for s in step), default=0.0)
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for t in traces:
         held = ", ".join(map(str, t.schedule.stages_on(t.stage)))
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": t.rank,
@@ -383,7 +384,7 @@ def simulated_twin(
     )
 
 
-def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
+def report(folder: str | Path, png: bool = True, step: int = -1) -> dict[str, Any]:
     """Merge ``folder``'s rank traces into ``trace.json`` (Chrome/Perfetto) and, with
     matplotlib, ``timeline.png`` (measured step beside its simulated twin); return what was
     written and the measured and simulated bubble fractions of that step."""

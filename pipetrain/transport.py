@@ -58,7 +58,9 @@ class Transport(ABC):
 
 
 class _DistributedHandle(Handle):
-    def __init__(self, works: list, tensors: list[torch.Tensor], transport: DistributedTransport):
+    def __init__(
+        self, works: list[Any], tensors: list[torch.Tensor], transport: DistributedTransport
+    ):
         self._works = works
         self._tensors = tensors  # kept alive until the operation completes
         self._transport = transport
@@ -222,12 +224,12 @@ class LocalHub:
 
     def __init__(self, devices: Sequence[torch.device]):
         self.devices = list(devices)
-        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue] = {}
+        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self.aborted = threading.Event()
         self.reason: str | None = None
 
-    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
+    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue[list[torch.Tensor]]:
         with self._lock:
             return self._boxes.setdefault((src, dst, tag), queue.SimpleQueue())
 
@@ -249,7 +251,7 @@ class _LocalSend(Handle):
 class _LocalRecv(Handle):
     _POLL = 0.05  # seconds between looks at the abort flag
 
-    def __init__(self, box: queue.SimpleQueue, hub: LocalHub):
+    def __init__(self, box: queue.SimpleQueue[list[torch.Tensor]], hub: LocalHub):
         self._box, self._hub = box, hub
 
     def wait(self, timeout: float) -> list[torch.Tensor]:

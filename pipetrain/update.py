@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ class Update:
                 stage.loss_scale = self.scaler.scale
 
     @torch.no_grad()
-    def run(self) -> dict:
+    def run(self) -> dict[str, Any]:
         """Unscale, measure, maybe skip, clip and step; returns the step's metrics."""
         scaler = self.scaler
         if scaler is not None:
@@ -92,7 +93,7 @@ class Update:
                     self._scale_gradients(coefficient)
             for stage in self.stages:
                 stage.update()
-        metrics: dict = {"grad_norm": norm}
+        metrics: dict[str, Any] = {"grad_norm": norm}
         if scaler is not None:
             metrics.update(loss_scale=scaler.scale, skipped_step=skipped)
             scaler.update(found_inf=skipped)
