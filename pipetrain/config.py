@@ -126,10 +126,9 @@ class PipelineConfig:
         schedule = schedule or "1f1b"
         spec = lookup(schedule)
         if not spec.runnable:
-            runnable = [name for name in names() if lookup(name).runnable]
             raise ValueError(
                 f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
-                f"the runtime does not execute it yet; train with one of {runnable}"
+                f"the runtime does not execute it yet; train with one of {names(runnable=True)}"
             )
         _check_asynchronous_options(
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
@@ -176,18 +175,19 @@ def _check_asynchronous_options(
 ) -> None:
     """Recomputation is refused under the asynchronous schedules, their weight options under
     the others."""
-    asynchronous = [name for name in names() if lookup(name).asynchronous]
-    if schedule in asynchronous and checkpoint not in (None, "never"):
+    asynchronous = lookup(schedule).asynchronous
+    if asynchronous and checkpoint not in (None, "never"):
         raise ValueError(
             f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
             f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
             "weights instead: use checkpoint='never'"
         )
-    if schedule not in asynchronous and (
+    if not asynchronous and (
         weight_prediction not in (None, AUTO) or not weight_stashing
         or delay_compensation not in (None, AUTO)
     ):
         raise ValueError(
             "weight_stashing, weight_prediction and delay_compensation apply to the "
-            f"asynchronous schedules {' and '.join(map(repr, asynchronous))}, not to {schedule!r}"
+            f"asynchronous schedules {' and '.join(map(repr, names(asynchronous=True)))}, not "
+            f"to {schedule!r}"
         )

@@ -99,9 +99,13 @@ class _Generators(Mapping[str, Callable[..., Schedule]]):
 GENERATORS: Mapping[str, Callable[..., Schedule]] = _Generators()
 
 
-def names() -> list[str]:
-    """Every registered schedule name, sorted."""
-    return sorted(_REGISTRY)
+def names(**properties: object) -> list[str]:
+    """The registered schedule names, sorted; with keywords, those whose entries have those
+    values, e.g. ``names(asynchronous=True)``."""
+    return sorted(
+        name for name, spec in _REGISTRY.items()
+        if all(getattr(spec, key) == value for key, value in properties.items())
+    )
 
 
 def lookup(name: str) -> ScheduleSpec:
