@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.profile import Profile
-from schedules import Kind, Schedule, build, simulate
-from schedules.generators import MULTI_STAGE_PER_RANK
+from schedules import Schedule, build, lookup
+from schedules import inflight as schedule_inflight
 
 CHECKPOINT = ("never", "auto", "always")
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
@@ -50,7 +50,7 @@ def pipeline_schedule(
     """The schedule ``schedule`` for ``stages`` stages. A schedule that puts several stages on a
     rank ("interleaved") runs them as ``virtual_stages`` stages per rank on
     ``stages / virtual_stages`` ranks, stage s on rank s mod ranks."""
-    if schedule not in MULTI_STAGE_PER_RANK:
+    if not lookup(schedule).multi_stage_per_rank:
         return build(schedule, stages, microbatches)
     if virtual_stages < 1 or stages % virtual_stages:
         v = max(virtual_stages, 1)
@@ -67,27 +67,11 @@ def pipeline_schedule(
 def inflight(
     schedule: str, stages: int, microbatches: int, virtual_stages: int = 2
 ) -> list[int]:
-    """Micro-batches whose activations stage s holds at once: GPipe m, 1F1B min(m, S - s).
-    Any other synchronous schedule is counted along each rank's actions (a forward stores a
-    micro-batch, the backward frees it, or the W if the backward is split), per stage even
-    where stages share a rank; an asynchronous one is asked of the simulator."""
-    if schedule == "gpipe":
-        return [microbatches] * stages
-    if schedule == "1f1b":
-        return [min(microbatches, stages - s) for s in range(stages)]
+    """Micro-batches whose activations stage s holds at once (GPipe m, 1F1B min(m, S - s),
+    PipeDream S - s across calls): the schedule's registry entry says, or counts it along the
+    generated lists (:func:`schedules.inflight`), per stage even where stages share a rank."""
     built = pipeline_schedule(schedule, stages, microbatches, virtual_stages)
-    if built.asynchronous:
-        return list(simulate(built, 1.0, 1.0).peak_inflight)
-    frees = Kind.WEIGHT if built.splits_backward else Kind.BACKWARD
-    held, peak = [0] * stages, [0] * stages
-    for ops in built.actions.values():
-        for action in ops:
-            if action.kind is Kind.FORWARD:
-                held[action.stage] += 1
-                peak[action.stage] = max(peak[action.stage], held[action.stage])
-            elif action.kind is frees:
-                held[action.stage] -= 1
-    return peak
+    return list(schedule_inflight(built))
 
 
 def weight_gradient_share(backward: float, param_count: int) -> float:
@@ -137,7 +121,8 @@ class Problem:
     @property
     def cost(self) -> np.ndarray:
         """Forward + backward seconds of each layer."""
-        return self.forward + self.backward
+        total: np.ndarray = self.forward + self.backward
+        return total
 
     @property
     def modes(self) -> tuple[bool, ...]:

@@ -32,7 +32,7 @@ def _solve(model: pulp.LpProblem, time_limit: float | None) -> bool:
         warnings.simplefilter("ignore", DeprecationWarning)
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
     model.solve(solver)
-    return pulp.LpStatus[model.status] == "Optimal"
+    return bool(pulp.LpStatus[model.status] == "Optimal")
 
 
 def _variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:

@@ -22,8 +22,7 @@ from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
 from partitioner.topology import chain_order, is_uniform, link_bandwidths, memory_of, speed_of
 from partitioner.units import parse_bandwidth, parse_bytes
-from schedules import Simulation, simulate
-from schedules.generators import MULTI_STAGE_PER_RANK
+from schedules import Simulation, lookup, simulate
 
 SOLVERS = ("auto", "dp", "ilp")
 
@@ -78,7 +77,7 @@ def plan(
     count: int | None = None if isinstance(devices, nx.Graph) else devices
     ranks: list[list[int]] = []
     use_ilp = solver == "ilp"
-    interleaved = schedule in MULTI_STAGE_PER_RANK
+    interleaved = lookup(schedule).multi_stage_per_rank
     if interleaved and devices is not None:
         raise ValueError(
             f"schedule {schedule!r} places its stages on stages / virtual_stages ranks itself; "

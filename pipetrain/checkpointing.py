@@ -29,6 +29,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def _parameter_names(stage: Stage) -> dict[int, str]:
     return {id(p): name for name, p in stage.module.named_parameters()}
 
 
-def _optimizer_state(stage: Stage) -> dict:
+def _optimizer_state(stage: Stage) -> dict[str, Any]:
     """The optimizer's state with parameters named, not numbered, so it re-slices."""
     if stage.optimizer is None:
         return {}
@@ -80,11 +81,11 @@ def _optimizer_state(stage: Stage) -> dict:
     }
 
 
-def _saver(payload: dict) -> Callable[[Path], None]:
+def _saver(payload: dict[str, Any]) -> Callable[[Path], None]:
     return lambda path: torch.save(payload, path)
 
 
-def _hyper(group: dict) -> dict:
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
@@ -92,12 +93,12 @@ def _compensator(stage: Stage) -> Compensator | None:
     return stage.versions.compensator if stage.versions is not None else None
 
 
-def _compensation_state(stage: Stage) -> dict | None:
+def _compensation_state(stage: Stage) -> dict[str, Any] | None:
     compensator = _compensator(stage)
     return compensator.state_dict() if compensator is not None else None
 
 
-def _rng_state(stage: Stage) -> dict:
+def _rng_state(stage: Stage) -> dict[str, Any]:
     """The process's generators and the stage's own stream (pipetrain/rng.py)."""
     state = {
         "torch": torch.get_rng_state(),
@@ -110,7 +111,7 @@ def _rng_state(stage: Stage) -> dict:
 
 
 def save(
-    folder: str | os.PathLike,
+    folder: str | os.PathLike[str],
     step: int,
     stages: Sequence[Stage],
     barrier: Callable[[], None],
@@ -199,7 +200,7 @@ def _complete(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: (p / "manifest.json").stat().st_mtime_ns)
 
 
-def latest(folder: str | os.PathLike) -> Path | None:
+def latest(folder: str | os.PathLike[str]) -> Path | None:
     """The checkpoint to resume from: the one ``latest`` names when it is complete, else the
     newest complete one (with a warning). None for a folder without checkpoints (a fresh
     start); CheckpointError when it has step folders but none is complete."""
@@ -237,7 +238,7 @@ def saved_after(path: Path) -> frozenset[str]:
     )
 
 
-def _read_stage(file: Path, device: torch.device, mmap: bool = False) -> dict:
+def _read_stage(file: Path, device: torch.device, mmap: bool = False) -> dict[str, Any]:
     """One stage file (memory-mapped with ``mmap``: its pages are read when used), or a
     CheckpointError naming it and what is wrong with it."""
     if not file.is_file():
@@ -270,11 +271,11 @@ def _stage_files(path: Path) -> list[Path]:
     return [path / f"stage-{s}.pt" for s in range(manifest["stages"])]
 
 
-def _read_checkpoint(path: Path, device: torch.device) -> list[dict]:
+def _read_checkpoint(path: Path, device: torch.device) -> list[dict[str, Any]]:
     return [_read_stage(file, device) for file in _stage_files(path)]
 
 
-def _load_files(path: Path, device: torch.device) -> list[dict]:
+def _load_files(path: Path, device: torch.device) -> list[dict[str, Any]]:
     """Every stage file of the checkpoint at ``path``; a damaged one is refused naming it and
     the newest intact checkpoint of the folder."""
     try:
@@ -297,7 +298,7 @@ def _is_intact(path: Path) -> bool:
     return True
 
 
-def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The newest checkpoint in ``folder`` (or the checkpoint ``folder`` itself) as one plain
     state_dict of the original model."""
     merged: dict[str, torch.Tensor] = {}
@@ -306,7 +307,7 @@ def consolidate(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return merged
 
 
-def consolidate_safetensors(folder: str | os.PathLike, output: str | os.PathLike) -> int:
+def consolidate_safetensors(folder: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
     """Write the newest checkpoint in ``folder`` as one safetensors file of the whole model
     (keys as in its state_dict), one stage at a time: each stage file is memory-mapped, its
     tensors written, and it is let go before the next, so the whole model is never in memory.
@@ -326,7 +327,7 @@ def consolidate_safetensors(folder: str | os.PathLike, output: str | os.PathLike
     return len(index)
 
 
-def _checkpoint(folder: str | os.PathLike) -> Path:
+def _checkpoint(folder: str | os.PathLike[str]) -> Path:
     """The checkpoint ``folder`` is, or the newest in it; a CheckpointError if none."""
     root = Path(folder)
     if not root.is_dir():
@@ -341,7 +342,7 @@ def _checkpoint(folder: str | os.PathLike) -> Path:
 
 
 def load(
-    folder: str | os.PathLike, stages: Sequence[Stage], scaler: LossScaler | None = None
+    folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None = None
 ) -> tuple[int, Path] | None:
     """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
     any balance); return its step and path, or None when there is none yet."""
@@ -350,8 +351,8 @@ def load(
         return None
     payloads = _load_files(path, stages[0].device)
     modules: dict[str, torch.Tensor] = {}
-    optimizer_state: dict[str, dict] = {}
-    groups: list[dict] = []
+    optimizer_state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
     for payload in payloads:
         modules.update(payload["module"])
         optimizer_state.update(payload["optimizer"].get("state", {}))
@@ -377,7 +378,7 @@ def load(
     return int(payloads[0]["step"]), path
 
 
-def _set_rng(state: dict, device: torch.device) -> None:
+def _set_rng(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"].cpu())
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and device.type == "cuda":
@@ -385,7 +386,8 @@ def _set_rng(state: dict, device: torch.device) -> None:
 
 
 def _restore_stage(
-    stage: Stage, modules: dict, optimizer_state: dict, groups: list[dict], path: Path
+    stage: Stage, modules: dict[str, Any], optimizer_state: dict[str, Any],
+    groups: list[dict[str, Any]], path: Path,
 ) -> None:
     wanted = stage.module.state_dict().keys()
     missing = sorted(set(wanted) - modules.keys())

@@ -44,8 +44,7 @@ from partitioner import (
 from pipetrain import __version__
 from pipetrain.cli_train import add_train_command
 from pipetrain.errors import CheckpointError
-from schedules import GENERATORS, Simulation
-from schedules.generators import SPLIT_BACKWARD
+from schedules import Simulation, lookup, names
 
 PROG = "pipetrain"
 PIPEDREAM_PREFIX = "pipedream:"
@@ -102,7 +101,7 @@ def _import_factory(target: str) -> Callable[..., Any]:
         raise UsageError(
             f"importing {module_name!r} failed: {type(error).__name__}: {error}"
         ) from None
-    factory = getattr(module, attr, None)
+    factory: Callable[..., Any] | None = getattr(module, attr, None)
     if not callable(factory):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise UsageError(
@@ -302,7 +301,7 @@ def schedule_notes(plan: Plan) -> list[str]:
             f"{plan.stages // plan.pipeline_ranks} virtual stages per rank (stage s on rank "
             f"s mod {plan.pipeline_ranks}); train with {plan.pipeline_ranks} devices"
         )
-    if plan.schedule in SPLIT_BACKWARD:
+    if lookup(plan.schedule).split_backward:
         notes.append(
             f"{plan.schedule} splits each backward into B (input gradient) and W (weight "
             "gradient); the profile times only the whole backward, so W is taken as half of it "
@@ -607,7 +606,7 @@ def _host(args: argparse.Namespace, default: Host | None = None) -> Host:
         raise UsageError(str(error)) from None
 
 
-def _add_profile_command(sub: argparse._SubParsersAction) -> None:
+def _add_profile_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``pipetrain profile``: its arguments."""
     p = sub.add_parser(
         "profile",
@@ -663,7 +662,7 @@ def _add_profile_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=cmd_profile)
 
 
-def _add_plan_command(sub: argparse._SubParsersAction) -> None:
+def _add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``pipetrain plan``: its arguments."""
     p = sub.add_parser(
         "plan",
@@ -675,7 +674,7 @@ def _add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("profile")
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(GENERATORS))
+    p.add_argument("--schedule", default="1f1b", choices=names())
     p.add_argument("--memory", type=_bytes_arg, help="per device, e.g. 16GiB")
     p.add_argument(
         "--devices",
@@ -715,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source")
     p.add_argument("--balance", help="layers per stage, e.g. 3,5 (for a profile)")
     p.add_argument("--microbatches", type=int)
-    p.add_argument("--schedule", choices=sorted(GENERATORS), help="default: the plan's, or 1f1b")
+    p.add_argument("--schedule", choices=names(), help="default: the plan's, or 1f1b")
     p.add_argument("--png", help="draw the simulated timeline here (needs matplotlib)")
     p.add_argument(
         "--checkpoint",

@@ -20,7 +20,9 @@ from partitioner import Plan
 ImportFactory = Callable[[str], Callable[..., Any]]
 
 
-def add_train_command(sub: argparse._SubParsersAction, import_factory: ImportFactory) -> None:
+def add_train_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], import_factory: ImportFactory
+) -> None:
     """``pipetrain train``: its arguments."""
     p = sub.add_parser(
         "train",
@@ -48,7 +50,7 @@ def add_train_command(sub: argparse._SubParsersAction, import_factory: ImportFac
     p.set_defaults(run=lambda args: cmd_train(args, import_factory))
 
 
-def _check(args: argparse.Namespace) -> tuple[Plan, dict]:
+def _check(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     """The plan and FUNCTION's keyword arguments; a ValueError naming the bad option."""
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
@@ -88,7 +90,7 @@ def cmd_train(args: argparse.Namespace, import_factory: ImportFactory) -> int:
     shutdown()
 
 
-def _task(target: str, factory: Callable[..., Any], kwargs: dict, plan: Plan,
+def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan: Plan,
           world: int) -> Any:
     """FUNCTION's TrainTask, checked against the plan (its model's layers, the size of step 0's
     batch for ``world`` ranks): the launcher checks it before any process starts."""

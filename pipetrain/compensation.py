@@ -43,9 +43,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from schedules import lookup
 
 METHODS = ("spike", "lag-lr", "lag-momentum", "pipemare")
 AUTO = "auto"  # the default of weight_prediction and delay_compensation: the study's pick
@@ -149,11 +152,12 @@ def default_compensation(
     prediction alone on the language model over a long run, nor for other optimizers."""
     if not isinstance(optimizer, torch.optim.SGD):
         return None
+    per_microbatch = lookup(schedule).update_per_microbatch  # "pipedream"
     try:
         check_compensable(optimizer, DelayCompensation(spike=True))
     except CompensationError:  # nesterov, dampening or maximize: no spike
-        return DelayCompensation(lr_rule="momentum") if schedule == "pipedream" else None
-    return DelayCompensation(spike=True, lr_rule="momentum" if schedule == "pipedream" else None)
+        return DelayCompensation(lr_rule="momentum") if per_microbatch else None
+    return DelayCompensation(spike=True, lr_rule="momentum" if per_microbatch else None)
 
 
 class Compensator:
@@ -184,14 +188,14 @@ class Compensator:
         if self.spec.lr_rule == "momentum":
             return 1.0 / self.stretch if isinstance(self.optimizer, torch.optim.SGD) else 1.0
         done = min(self.updates / max(self.spec.warmup, 1), 1.0)
-        return float(self.lag) ** -(1.0 - done)
+        return float(float(self.lag) ** -(1.0 - done))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the updates taken (PipeMare's warm-up) and PipeMare's
         moving average of the weights' change."""
         return {"updates": self.updates, "delta": self._delta}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state``; a moving average whose shapes do not fit this stage's
         parameters (the model was split otherwise) starts afresh."""
         self.updates = int(state["updates"])
@@ -250,7 +254,9 @@ class Compensator:
             self._track(before)
         self.updates += 1
 
-    def _prepare_spike(self) -> list[tuple[dict, float, list[nn.Parameter], list[torch.Tensor]]]:
+    def _prepare_spike(
+        self,
+    ) -> list[tuple[dict[str, Any], float, list[nn.Parameter], list[torch.Tensor]]]:
         """Before the step, per parameter group: its lr, this stage's parameters in it that
         have a gradient, and the gradient that enters the momentum (weight decay included).
         For SGD it also scales the group's lr by mu^D, so that the step itself moves the
@@ -274,7 +280,7 @@ class Compensator:
         return terms
 
     def _apply_spike(
-        self, terms: list[tuple[dict, float, list[nn.Parameter], list[torch.Tensor]]]
+        self, terms: list[tuple[dict[str, Any], float, list[nn.Parameter], list[torch.Tensor]]]
     ) -> None:
         """After the step, complete ``w -= lr (mu^D v + b g)``, b = (1 - mu^D) / (1 - mu), for
         SGD; for Adam turn ``w -= lr m_hat / d`` into ``w -= lr (m + (1 - beta1^D)(g - m)) /

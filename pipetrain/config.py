@@ -18,21 +18,9 @@ from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.cuda_graphs import check_mode
 from pipetrain.planning import load_plan
 from pipetrain.progress import Progress, progress_option
-from pipetrain.stage import (
-    LossFn,
-    OptimizerFactory,
-    SchedulerFactory,
-    checkpoint_stop,
-    default_checkpoint,
-)
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, checkpoint_stop
 from pipetrain.update import check_nonfinite, check_options
-from schedules import GENERATORS
-from schedules.generators import MULTI_STAGE_PER_RANK
-
-RUNNABLE = frozenset(  # the executor runs
-    {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw"}
-)
-ASYNCHRONOUS = ("pipedream", "pipedream-2bw")
+from schedules import lookup, names
 
 
 def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -76,9 +64,9 @@ class PipelineConfig:
     compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
     deferred_batch_norm: bool
     track_memory: bool
-    trace: str | os.PathLike | None
+    trace: str | os.PathLike[str] | None
     progress: Progress | None
-    checkpoint_dir: str | os.PathLike | None
+    checkpoint_dir: str | os.PathLike[str] | None
     checkpoint_every: int
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
@@ -91,7 +79,7 @@ class PipelineConfig:
     @property
     def asynchronous(self) -> bool:
         """Whether the schedule never flushes between steps (PipeDream's family)."""
-        return self.schedule in ASYNCHRONOUS
+        return lookup(self.schedule).asynchronous
 
     def check_trainable(self) -> None:
         """Refuse to train without an optimizer (the weights would never change, silently) or
@@ -111,7 +99,7 @@ class PipelineConfig:
         """Refuse to run a plan's virtual stages on other than its number of ranks, once the
         devices or processes are ``placed`` (known)."""
         planned = self.planned_ranks
-        if self.schedule in MULTI_STAGE_PER_RANK and planned not in (None, ranks) and placed:
+        if lookup(self.schedule).multi_stage_per_rank and planned not in (None, ranks) and placed:
             raise ValueError(
                 f"the plan runs its {len(self.balance)} {self.schedule} stages on {planned} "
                 f"ranks but this pipeline has {ranks}; pass {planned} devices (or run "
@@ -124,7 +112,7 @@ class PipelineConfig:
         model: nn.Sequential,
         balance: Sequence[int] | None = None,
         *,
-        plan: str | os.PathLike | Plan | None = None,
+        plan: str | os.PathLike[str] | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
         checkpoint: str | Sequence[str] | None = None,
@@ -133,9 +121,9 @@ class PipelineConfig:
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
-        trace: str | os.PathLike | None = None,
+        trace: str | os.PathLike[str] | None = None,
         progress: bool | Progress = False,
-        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = AUTO,
@@ -163,7 +151,12 @@ class PipelineConfig:
             )
         chunks = 1 if chunks is None else chunks
         schedule = schedule or "1f1b"
-        asynchronous = schedule in ASYNCHRONOUS
+        spec = lookup(schedule)
+        if not spec.runnable:
+            raise ValueError(
+                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
+                f"the runtime does not execute it yet; train with one of {names(runnable=True)}"
+            )
         _check_asynchronous_options(
             schedule, checkpoint, weight_stashing, weight_prediction, delay_compensation
         )
@@ -171,20 +164,15 @@ class PipelineConfig:
         # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
         graphs = check_mode(cuda_graphs)
         modes = _checkpoint_modes(
-            checkpoint or ("never" if graphs else default_checkpoint(schedule)), len(balance)
+            checkpoint or ("never" if graphs else spec.checkpoint), len(balance)
         )
         dtype = check_options(
-            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, asynchronous
+            optimizer, lr_scheduler, precision, clip_grad_norm, schedule, spec.asynchronous
         )
         _check_loss_fn(loss_fn)
         check_nonfinite(nonfinite)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        if schedule in GENERATORS and schedule not in RUNNABLE:
-            raise ValueError(
-                f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
-                f"the runtime does not execute it yet; train with one of {sorted(RUNNABLE)}"
-            )
         return cls(
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
             checkpoint=modes, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
@@ -253,17 +241,19 @@ def _check_asynchronous_options(
     """Recomputation is refused under the asynchronous schedules, their weight options under
     the others."""
     modes = [checkpoint] if checkpoint is None or isinstance(checkpoint, str) else checkpoint
-    if schedule in ASYNCHRONOUS and set(modes) - {None, "never"}:
+    asynchronous = lookup(schedule).asynchronous
+    if asynchronous and set(modes) - {None, "never"}:
         raise ValueError(
             f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
             f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
             "weights instead: use checkpoint='never'"
         )
-    if schedule not in ASYNCHRONOUS and (
+    if not asynchronous and (
         weight_prediction not in (None, AUTO) or not weight_stashing
         or delay_compensation not in (None, AUTO)
     ):
         raise ValueError(
             "weight_stashing, weight_prediction and delay_compensation apply to the "
-            f"asynchronous schedules 'pipedream' and 'pipedream-2bw', not to {schedule!r}"
+            f"asynchronous schedules {' and '.join(map(repr, names(asynchronous=True)))}, not "
+            f"to {schedule!r}"
         )

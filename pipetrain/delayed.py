@@ -27,7 +27,7 @@ from pipetrain.data_parallel import tied_parameters
 from pipetrain.pipeline import split
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.weights import stage_versions
-from schedules import build
+from schedules import build, lookup
 
 Unit = tuple[object, object]  # (input, target) of one update unit
 
@@ -73,7 +73,8 @@ class DelayedPipeline:
                 "delay_compensation apply to 'pipedream' and 'pipedream-2bw'"
             )
         stale = not weight_stashing and weight_prediction in (None, AUTO)
-        if schedule == "pipedream-2bw" and stale:
+        spec = lookup(schedule)
+        if spec.asynchronous and not spec.update_per_microbatch and stale:  # "pipedream-2bw"
             raise ValueError(
                 "without stashing a 2BW micro-batch's forward reads the weights live at its own "
                 "forward, some before its unit's predecessor's update and some after; one unit "
@@ -165,5 +166,5 @@ class DelayedPipeline:
             return
         tensors = output if isinstance(output, tuple) else (output,)
         self._acts[s + 1][unit] = tuple(
-            t.detach().requires_grad_(t.requires_grad) for t in tensors  # type: ignore[union-attr]
+            t.detach().requires_grad_(t.requires_grad) for t in tensors
         )

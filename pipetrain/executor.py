@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -42,11 +42,14 @@ from pipetrain.meta import (
     flatten,
     unflatten,
 )
+from pipetrain.progress import logger
 from pipetrain.stage import Stage
+from pipetrain.tags import ACTIVATION, GRADIENT, HEADER, TagLayout
 from pipetrain.trace import Recorder
 from pipetrain.transport import Handle, Transport
 from schedules import Action, Kind, Schedule
 from schedules.action import COMPUTE, RECVS
+from schedules.listing import excerpt
 
 Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
 HEADER_META = (TensorMeta((HEADER_LEN,), torch.int64, False),)
@@ -79,13 +82,12 @@ def _peer(action: Action) -> int:
     return peer
 
 
-def tag(action: Action, stages: int, header: bool = False) -> int:
-    """Message tag of a communication action of a ``stages``-stage pipeline: micro-batch,
-    kind and boundary (two boundaries may join the same pair of ranks); tuple members take
-    consecutive tags."""
-    lane = 2 if header else int(action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD))
-    boundary = min(action.stage, _peer(action))
-    return ((action.microbatch * 3 + lane) * max(stages - 1, 1) + boundary) * 64
+def tag(action: Action, layout: TagLayout, header: bool = False) -> int:
+    """The first message tag of a communication action (pipetrain/tags.py): its micro-batch,
+    lane and boundary."""
+    gradient = action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+    lane = HEADER if header else GRADIENT if gradient else ACTIVATION
+    return layout.tag(action.microbatch, lane, min(action.stage, _peer(action)))
 
 
 class Executor:
@@ -123,8 +125,12 @@ class Executor:
         ]
         self._losses_at = last_forwards[-1] if last_forwards else -1
         self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
+        self._cycle = schedule.microbatches + schedule.stages  # asynchronous: see _tag
         if schedule.asynchronous:
             self.chunks = schedule.microbatches
+        self.tags = TagLayout(
+            schedule.stages, self._cycle if schedule.asynchronous else schedule.microbatches
+        )
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
         # Each stage's gradient syncs arm before its last action that makes weight gradients.
         grads = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
@@ -134,7 +140,7 @@ class Executor:
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
 
-    def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list:
+    def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
         when not training, else an empty list; losses stay in ``stage.losses``."""
         self._inputs, self._targets = inputs, targets
@@ -175,9 +181,12 @@ class Executor:
             else:
                 self._finish_sends()
         except PeerError as error:
+            if isinstance(error, CommunicationTimeout):  # where each rank waits tells a hang
+                self._show_place(error)
             self.transport.abort(f"{self._where()} stopped: {error}")
             raise
         except Exception as error:
+            self._show_place(error)
             reason = str(error) if isinstance(error, StageError) else repr(error)
             self.transport.abort(f"{self._where()} failed: {reason}")
             raise
@@ -192,6 +201,15 @@ class Executor:
                 f"{self._where()} stopped before action {self._position + 1} of "
                 f"{len(self.actions)} ({action}): {error}"
             ) from error
+
+    def _show_place(self, error: Exception) -> None:
+        """Note on ``error`` (shown with its traceback) and log this rank's actions around the
+        one that failed, marked."""
+        if not self.actions:
+            return
+        place = excerpt(self.schedule, self.rank, self._position)
+        error.add_note(place)
+        logger.error("%s failed:\n%s", self._where(), place)
 
     def _where(self) -> str:
         """The stage at work (and its rank when a rank holds several stages)."""
@@ -237,9 +255,9 @@ class Executor:
 
     def _tag(self, action: Action, header: bool = False) -> int:
         if self.schedule.asynchronous:  # tag by global number: a message may cross calls
-            cycle = self.schedule.microbatches + self.schedule.stages
-            action = Action(action.kind, action.stage, (self.base + action.microbatch) % cycle)
-        return tag(action, self.schedule.stages, header)
+            number = (self.base + action.microbatch) % self._cycle
+            action = Action(action.kind, action.stage, number)
+        return tag(action, self.tags, header)
 
     def _wait(self, action: Action, handle: Handle) -> list[torch.Tensor]:
         try:

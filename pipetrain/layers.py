@@ -27,7 +27,7 @@ class LayerSource:
 
     init_seed: int | None = None
     init: InitFn | None = None
-    weights: str | os.PathLike | None = None
+    weights: str | os.PathLike[str] | None = None
 
     def check(self, model: nn.Sequential) -> None:
         """Refuse, before any process group is made, what cannot give the layers values; read

@@ -4,7 +4,8 @@ Saved-tensor hooks see every tensor autograd saves; parameters are left out (the
 activations), a tensor saved twice counts once, a view counts its own bytes, and the stage's
 inputs count too, since the stage holds them until the backward. Inside a checkpointed region
 activation checkpointing's own hooks take over and only the region's inputs reach ours, which is
-the point of checkpointing.
+the point of checkpointing. The micro-batches held at once are checked against the schedule's
+promise (``bound``, from :func:`schedules.inflight`), which the planner's memory model relies on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipetrain.errors import PipelineError
+
 
 @dataclass
 class ActivationLedger:
@@ -24,6 +27,7 @@ class ActivationLedger:
     live: dict[int, int] = field(default_factory=dict)  # micro-batch -> bytes held
     peak_bytes: int = 0
     peak_microbatches: int = 0
+    bound: int | None = None  # the most micro-batches the schedule holds here at once
 
     @classmethod
     def for_parameters(cls, params: Iterable[torch.Tensor]) -> ActivationLedger:
@@ -50,6 +54,12 @@ class ActivationLedger:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         self.peak_microbatches = max(self.peak_microbatches, len(self.live))
+        if self.bound is not None and len(self.live) > self.bound:
+            raise PipelineError(
+                f"the stage holds {len(self.live)} micro-batches' activations but its schedule "
+                f"holds at most {self.bound} (schedules.inflight, which the planner's memory "
+                "model uses): the schedule's registry entry and the runtime disagree"
+            )
         self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
 
     def release(self, microbatch: int) -> None:

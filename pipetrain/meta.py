@@ -14,6 +14,11 @@ import torch
 
 HEADER_LEN = 128
 _MAGIC = 0x5049  # "PI": catches a receive that got some other message
+# The header's fields: magic, tensor count, is_tuple; then per tensor dtype, requires_grad,
+# ndim and the ndim sizes. So it describes at most this many tensors (all of them 0-d), and
+# each tensor of a boundary gets a message tag of its own (pipetrain/tags.py).
+HEADER_FIXED_FIELDS, TENSOR_FIXED_FIELDS = 3, 3
+MAX_TENSORS = (HEADER_LEN - HEADER_FIXED_FIELDS) // TENSOR_FIXED_FIELDS
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -62,7 +67,9 @@ def flatten(value: object, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
-def unflatten(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor | tuple:
+def unflatten(
+    tensors: Sequence[torch.Tensor], is_tuple: bool
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return tuple(tensors) if is_tuple else tensors[0]
 
 
@@ -80,6 +87,11 @@ def describe(tensors: Sequence[torch.Tensor], is_tuple: bool) -> BoundaryMeta:
 
 
 def encode(meta: BoundaryMeta) -> torch.Tensor:
+    if len(meta.tensors) > MAX_TENSORS:
+        raise ValueError(
+            f"a stage boundary carries {len(meta.tensors)} tensors, more than the {MAX_TENSORS} "
+            "a boundary header describes; send fewer tensors (stack or concatenate some)"
+        )
     fields = [_MAGIC, len(meta.tensors), int(meta.is_tuple)]
     for t in meta.tensors:
         fields += [DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape), *t.shape]

@@ -48,7 +48,7 @@ def gather(outputs: list[Batch]) -> Batch:
     """Concatenate micro-batch outputs back into one mini-batch output."""
     first = outputs[0]
     if isinstance(first, tuple):
-        return tuple(torch.cat([o[k] for o in outputs]) for k in range(len(first)))  # type: ignore[index]
+        return tuple(torch.cat([o[k] for o in outputs]) for k in range(len(first)))
     return torch.cat(outputs)  # type: ignore[arg-type]
 
 

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,7 @@ from pipetrain.trace import Recorder, measure_clock_offset
 from pipetrain.transport import DistributedTransport, LocalHub, Transport
 from pipetrain.update import Update, learning_rate
 from pipetrain.weights import stage_versions
-from schedules import Kind, Schedule, build, drain, for_call, validate
-from schedules.generators import MULTI_STAGE_PER_RANK
+from schedules import Kind, Schedule, build, drain, for_call, inflight, lookup, validate
 
 Tie = tuple[nn.Parameter, tuple[int, ...]]  # a weight shared by stages, and those stages
 
@@ -73,12 +72,12 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 def pipeline_ranks(
-    schedule: str, stages: int, devices: Sequence | None, group: dist.ProcessGroup | None,
-    replicas: int | None,
+    schedule: str, stages: int, devices: Sequence[str | torch.device] | None,
+    group: dist.ProcessGroup | None, replicas: int | None,
 ) -> int:
     """How many ranks run the pipeline: one per stage, except for schedules that put several
     stages on a rank, where the devices (or the processes of one replica) count them."""
-    if schedule not in MULTI_STAGE_PER_RANK:
+    if not lookup(schedule).multi_stage_per_rank:
         if devices is not None and len(devices) != stages:
             raise ValueError(
                 f"devices lists {len(devices)} devices for {stages} stages; give one "
@@ -103,89 +102,122 @@ def pipeline_ranks(
 class Pipeline:
     """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
 
-    ``plan`` (a Plan or its JSON file from `pipetrain plan`) gives the balance, and the schedule,
-    micro-batch count and each stage's checkpoint mode unless those are passed too; a plan made
-    for another model is refused. Defaults otherwise: 1 chunk, "1f1b", and activation
-    recomputation as the schedule needs it (``stage.default_checkpoint``: "except_last" under
-    "gpipe", else "never"). ``checkpoint`` takes one mode for every stage or a list of one per
-    stage (as a plan made under a memory cap may choose); the attribute ``checkpoint`` holds the
-    mode in force (a tuple when stages differ), ``config`` every option as resolved
-    (pipetrain/config.py).
-    ``deferred_batch_norm`` makes BatchNorm's running statistics those of the whole mini-batch
-    (see pipetrain/batchnorm.py); ``track_memory`` counts the bytes each stage saves for backward.
-    ``trace`` (or the PIPETRAIN_TRACE environment variable) names a folder where each rank
-    writes the actions it ran (`pipetrain trace DIR` merges them); it must be the same on every
-    rank. ``progress=True`` prints each step's metrics on the first rank,
-    ``progress=pipetrain.Progress(every=N, total=T)`` every N steps with a bar up to step T
-    (a bare number is refused as ambiguous); ``metrics`` holds them after every step on every
-    rank. Its ``peak_memory`` has a figure per device of this process ("cuda:N": the GPU's
-    peak allocation, "cpu(process)": the process's peak resident set, which stages sharing the
-    process share; ``peak_memory_kind`` says which: "allocated" or "RSS"), and on the first
-    rank of a multi-process run with ``progress``, one per rank ("rankN").
-    ``checkpoint_dir`` resumes from the newest checkpoint there, if any (``step`` tells how many
-    steps are done), and with ``checkpoint_every=N`` saves one every N steps.
-    Without ``devices`` this process is one stage of a torchrun job of ``stages x replicas``
-    ranks (replicas default to world size / stages): replica k's stage s is rank
-    k * stages + s, and each stage's replicas average their gradients before every optimizer
-    step. With ``devices`` every stage runs here, stage s on ``devices[s]``. Weights shared by
-    layers on different stages stay identical: their gradients are summed across those stages.
-    Each stage draws its random numbers (dropout) from a stream of its own, seeded from torch's
-    global generator when the pipeline is built (call ``torch.manual_seed`` first for a
-    reproducible run, the same in either mode); a recomputed micro-batch replays its forward's
-    draws, and checkpoints save the streams (see pipetrain/rng.py).
+    Without ``devices`` this process is one rank of a torchrun job of ``stages x replicas``
+    ranks: replica k's stage s is rank k * stages + s, and each stage's replicas average their
+    gradients before every optimizer step. With ``devices`` every stage runs here as a thread,
+    stage s on ``devices[s]``. Both run the same schedule and train like one process would.
+    Weights shared by layers on different stages stay identical: their gradients are summed
+    across those stages. Each stage draws its random numbers (dropout) from a stream of its
+    own, seeded from torch's global generator when the pipeline is built (call
+    ``torch.manual_seed`` first for a reproducible run, the same in either mode); a recomputed
+    micro-batch replays its forward's draws, and checkpoints save the streams (pipetrain/rng.py).
 
     A model built on the meta device (``with torch.device("meta"):``, shapes only) is never
     built whole: each process materializes only its own stages' layers, on its device, and
-    initializes them by the per-layer rule from ``init_seed`` (layer i seeded from it and i,
-    then ``init(layer)`` or its modules' ``reset_parameters()``; pipetrain/lazy.py), so any
-    split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives a model
-    built eagerly (``init_seed`` on an eager model re-initializes it by that rule). ``weights``
-    (a whole-model ``.safetensors`` or ``.pt`` file, keys as in ``model.state_dict()``) gives
-    the values instead: each stage reads only its own tensors (pipetrain/weightfile.py).
+    initializes them by the per-layer rule from ``init_seed`` (pipetrain/lazy.py), so any
+    split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives the model
+    built eagerly; or each stage reads its own tensors from ``weights``.
 
-    Asynchronous schedules ("pipedream", "pipedream-2bw"; see schedules/asynchronous.py) never
-    flush between train_steps: ``weight_stashing`` (default True) makes a micro-batch's forward
-    and backward read one weight version, ``weight_prediction`` ("momentum", "spectrain",
-    "msnag" or None) runs both on the weights predicted after the stage's lag instead
-    (pipetrain/weights.py); ``weight_stashing=False`` without prediction is PipeDream's naive,
-    inconsistent variant. ``delay_compensation`` ("spike", "lag-lr", "lag-momentum",
-    "pipemare", several joined by "+", or a DelayCompensation) changes the updates of the late
-    gradients instead (pipetrain/compensation.py), with or without prediction. Both default to
-    "auto", the staleness study's pick (docs/staleness.md): prediction for SGD with momentum,
-    Adam and AdamW, and for SGD "spike+lag-momentum" under "pipedream", "spike" under
-    "pipedream-2bw"; plain weight stashing for other optimizers.
-    ``weight_prediction=None, delay_compensation=None`` is PipeDream's weight stashing.
-    ``flush()`` drains the pipeline; ``eval_step`` and ``save`` call it.
+    Args:
+        model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
+            Built on the meta device, it needs ``init_seed`` or ``weights``.
+        balance: layers per stage, e.g. ``[4, 8]``; its entries sum to ``len(model)``. Leave it
+            out when ``plan`` gives it.
+        plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
+            and the schedule, micro-batch count and each stage's checkpoint mode unless those
+            are passed too. A plan made for another model is refused; a first step whose
+            micro-batches differ from the plan's profiled size warns once.
+        chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
+            a multiple of it.
+        schedule: the schedule's name in schedules/registry.py (default "1f1b", or the
+            plan's): "gpipe", "1f1b", "interleaved" (several stages per rank; pass as many
+            devices or processes as ranks), "zb-h1", "zb-h2" (zero bubble, split backward),
+            or the asynchronous "pipedream" and "pipedream-2bw", which never flush between
+            steps (see ``weight_stashing``).
+        checkpoint: activation recomputation, "never", "except_last" or "always" (torchgpipe's
+            modes), one for every stage or a list of one per stage (as a plan made under a
+            memory cap may choose). Default: the plan's, else the schedule's entry
+            ("except_last" under "gpipe", else "never"; "never" with ``cuda_graphs``). The
+            asynchronous schedules refuse recomputation.
+        loss_fn: ``loss_fn(output, target)``, a scalar, on the last stage; the step's loss is
+            its mean over the micro-batches. Without it (or ``optimizer``) the pipeline
+            evaluates, and ``train_step`` refuses to run.
+        optimizer: a factory, ``lambda params: torch.optim.AdamW(params, ...)``: each stage
+            builds its own optimizer of its parameters. torch's fused optimizers
+            (``fused=True``) skip a non-finite step on the device, without a host sync.
+        devices: one device per rank to run every stage in this process; None (default) runs
+            this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
+        group: the process group of the job (default: the whole world).
+        replicas: data-parallel copies of the pipeline (default: world size / ranks per
+            pipeline).
+        timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
+            (default 300).
+        deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
+            rather than of the last micro-batch (pipetrain/batchnorm.py).
+        track_memory: count the bytes each stage saves for backward (``stage.ledger``), and
+            hold each stage to the micro-batches its schedule keeps in flight.
+        trace: a folder where each rank writes the actions it ran, with times (``pipetrain
+            trace DIR`` merges them); the same on every rank. Default: the PIPETRAIN_TRACE
+            environment variable, else off.
+        progress: True prints each step's metrics on the first rank;
+            ``pipetrain.Progress(every=N, total=T)`` every N steps, with a bar up to step T (a
+            bare number is refused as ambiguous).
+        checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
+            tells how many steps are done; the first rank says so).
+        checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
+            steps (0, the default: never).
+        weight_stashing: asynchronous schedules: a micro-batch's forward and backward read one
+            weight version (default True). False without prediction is PipeDream's naive,
+            inconsistent variant.
+        weight_prediction: asynchronous schedules: "momentum", "spectrain" or "msnag" run both
+            passes on the weights predicted after the stage's lag (pipetrain/weights.py); None
+            stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
+            prediction for SGD with momentum, Adam and AdamW.
+        precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
+            sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
+            whose overflow check every rank agrees on (pipetrain/precision.py).
+        clip_grad_norm: clip by the norm of the whole model's gradients, as
+            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
+        lr_scheduler: a factory, ``lambda optimizer: ...``: one learning-rate schedule per
+            stage optimizer, stepped after each of its steps (not after a skipped one).
+        delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
+            "pipemare", several joined by "+", or a DelayCompensation: changes the updates of
+            late gradients (pipetrain/compensation.py), with or without prediction. Default
+            "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
+            "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
+            delay_compensation=None`` is PipeDream's weight stashing.
+        cuda_graphs: True captures each stage's training forward and backward as CUDA graphs
+            after the first step with each micro-batch shape and replays them from then on
+            (pipetrain/cuda_graphs.py); what cannot be captured is refused with the reason,
+            and "auto" runs it eagerly instead. Default False.
+        init_seed: the per-layer initialization rule's seed (pipetrain/lazy.py): layer i is
+            seeded from it and i, then ``init(layer)`` or its modules' ``reset_parameters()``
+            run. Needed for a meta-device model without ``weights``; on an eagerly built model
+            it re-initializes every layer by the rule.
+        init: ``init(layer)``, the rule's initialization of one layer, in place of its
+            modules' ``reset_parameters()``.
+        weights: a whole-model ``.safetensors`` or ``.pt`` file, keys as in
+            ``model.state_dict()``: each stage reads only its own tensors
+            (pipetrain/weightfile.py). Missing, unexpected or wrongly shaped keys are refused
+            in one error.
+        nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
+            gradients are not finite on any stage, on every rank, leaving the weights, the
+            optimizer state and the learning-rate schedule as they were, with a warning naming
+            the step and the stages; "raise" raises NonFiniteError instead.
 
-    ``optimizer`` is a factory (``lambda params: torch.optim.AdamW(params, ...)``): each stage
-    builds its own. ``loss_fn(output, target)`` returns the scalar loss. Without either the
-    pipeline evaluates (``eval_step``) but ``train_step`` refuses to run. ``lr_scheduler``
-    (``lambda optimizer: ...``) builds one schedule per stage optimizer, stepped after each of
-    its steps. ``precision`` "bf16" or "fp16" runs each stage under autocast and sends
-    activations in that dtype; "fp16" adds a dynamic loss scale (``pipe.scaler``) whose
-    overflow check every rank agrees on (pipetrain/precision.py).
-    ``clip_grad_norm`` clips by the norm of the whole model's gradients, as
-    ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/update.py).
-    ``metrics`` holds "lr", "skipped_step", with clipping "grad_norm" (before clipping), and
-    for fp16 "loss_scale".
-    ``nonfinite`` ("skip", the default, or "raise"; synchronous schedules): a step whose loss
-    or gradients are not finite on any stage is skipped on every rank, leaving the weights,
-    the optimizer state and the learning-rate schedule as they were; it warns, naming the step
-    and the stages, or with "raise" raises NonFiniteError (pipetrain/update.py).
-
-    No step waits for the device (a host sync on CUDA) except where one of these asks for it:
-    an optimizer that cannot skip a step on the device (only torch's fused ones, e.g.
-    ``torch.optim.AdamW(..., fused=True)``, can), an ``lr_scheduler`` or ``nonfinite="raise"``
-    (one wait per step, to decide whether to step), ``progress`` (printing needs the figures).
-    The loss ``train_step`` returns and ``metrics`` are read when the caller reads them.
-
-    ``cuda_graphs=True`` captures each stage's training forward and backward as CUDA graphs
-    after the first step with each micro-batch shape and replays them from then on, for the
-    same parameters as eager training at a fraction of the host's launch work (a host-bound
-    step then runs at the GPU's speed). It needs CUDA stages, a synchronous schedule without
-    split backward, and keeps activations (``checkpoint`` defaults to "never"); what cannot be
-    captured is refused with the reason, and ``cuda_graphs="auto"`` runs it eagerly instead
-    (see pipetrain/cuda_graphs.py).
+    After construction, ``config`` holds every option as resolved (pipetrain/config.py),
+    ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
+    the schedule, ``stages`` this process's stages and ``step`` the steps done. ``metrics``
+    holds each step's figures on every rank: "loss", "step_time", "samples_per_second",
+    "stage_bubble", "stage_peak_memory" and "peak_memory" (per device of this process,
+    "cuda:N" the GPU's peak allocation, "cpu(process)" the process's peak resident set,
+    ``peak_memory_kind`` saying which; on the first rank of a multi-process run with
+    ``progress``, one per rank "rankN"), "lr", "skipped_step", with clipping "grad_norm"
+    (before clipping) and, for fp16, "loss_scale". The step keeps them as device tensors; the
+    first read of ``metrics`` after a step waits for the device. No step waits for the device
+    except where an optimizer that cannot skip on the device, an ``lr_scheduler``,
+    ``nonfinite="raise"`` or ``progress`` asks for it. ``flush()`` drains an asynchronous
+    pipeline; ``eval_step`` and ``save`` call it.
     """
 
     def __init__(
@@ -193,7 +225,7 @@ class Pipeline:
         model: nn.Sequential,
         balance: Sequence[int] | None = None,
         *,
-        plan: str | os.PathLike | Plan | None = None,
+        plan: str | os.PathLike[str] | Plan | None = None,
         chunks: int | None = None,
         schedule: str | None = None,
         checkpoint: str | Sequence[str] | None = None,
@@ -205,9 +237,9 @@ class Pipeline:
         timeout: float = 300.0,
         deferred_batch_norm: bool = False,
         track_memory: bool = False,
-        trace: str | os.PathLike | None = None,
+        trace: str | os.PathLike[str] | None = None,
         progress: bool | Progress = False,
-        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         weight_stashing: bool = True,
         weight_prediction: str | None = AUTO,
@@ -218,7 +250,7 @@ class Pipeline:
         cuda_graphs: bool | str = False,
         init_seed: int | None = None,
         init: InitFn | None = None,
-        weights: str | os.PathLike | None = None,
+        weights: str | os.PathLike[str] | None = None,
         nonfinite: str = "skip",
     ):
         self.config = config = PipelineConfig.resolve(
@@ -372,8 +404,10 @@ class Pipeline:
             split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
             autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
             weight_versions=versions,
-            loss_divisor=1 if config.schedule == "pipedream" else None,
+            loss_divisor=schedule.update_every or None,  # micro-batches per update
         )
+        if stage.ledger is not None:
+            stage.ledger.bound = inflight(schedule)[index]
         self._use_graphs(stage)
         return stage
 
@@ -421,8 +455,9 @@ class Pipeline:
             self._start_tracing() if config.trace else [None] * len(self.transports)
         )
         self._progress = config.progress
-        self._metrics: dict = {}  # the last step's, device tensors where the device made them
-        self._read: dict | None = None  # the same as numbers, once read
+        # the last step's metrics, device tensors where the device made them
+        self._metrics: dict[str, Any] = {}
+        self._read: dict[str, Any] | None = None  # the same as numbers, once read
         self.step = 0  # training steps done (restored with a checkpoint)
         self._protected: frozenset[str] = frozenset()  # checkpoints saved after the resumed one
         self._saved: tuple[int, Path] | None = None  # the step and checkpoint last saved or loaded
@@ -441,7 +476,7 @@ class Pipeline:
         atexit.register(self.save_trace)
         return [recorder]
 
-    def save_trace(self, folder: str | os.PathLike | None = None) -> list[Path]:
+    def save_trace(self, folder: str | os.PathLike[str] | None = None) -> list[Path]:
         """Write this process's trace records (done at exit too when tracing)."""
         folder = folder or self.config.trace
         if folder is None:
@@ -477,7 +512,20 @@ class Pipeline:
         the last stage has no lag, so every micro-batch fed here finishes its loss in this call
         (computed with the weights each stage had, or was predicted to have, at its forward).
         The last stage sends it on as soon as its last forward ends, so the other ranks wait for
-        that forward, not for the backwards behind it."""
+        that forward, not for the backwards behind it.
+
+        Args:
+            x: the mini-batch's input, a Tensor or a tuple of Tensors split along dimension 0
+                into ``chunks`` micro-batches. Only the first stage reads it: other ranks may
+                pass None.
+            y: the targets ``loss_fn`` compares the output with, split the same way; only the
+                last stage reads it (None elsewhere).
+
+        Returns:
+            The mini-batch's mean loss, the same on every rank (averaged over replicas), as a
+            0-d float64 tensor on this rank's device: reading it (``float(loss)``,
+            ``f"{loss:.3f}"``) waits for the device, the step itself does not.
+        """
         self.config.check_trainable()
         _check_batches(x, y)
         batch = x if x is not None else y
@@ -530,18 +578,28 @@ class Pipeline:
     def flush(self) -> None:
         """Drain an asynchronous pipeline: run every in-flight micro-batch's backward and its
         update, so that the weights are settled. Every rank calls it; a no-op when nothing is in
-        flight (always, for synchronous schedules). The next train_step warms up again."""
+        flight (always, for synchronous schedules). The next train_step warms up again. It
+        takes no arguments: it drains what earlier ``train_step`` calls left in flight.
+        """
         if not self.in_flight:
             return
         self._run(drain(self.schedule, self._calls), None, None, training=True)
         self._calls = 0
 
-    def save(self, folder: str | os.PathLike) -> Path:
+    def save(self, folder: str | os.PathLike[str]) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
         previous one whole. An asynchronous pipeline is flushed first. Saving again at the
         step this pipeline last saved (or loaded) in ``folder``, with nothing trained since,
-        returns that checkpoint: e.g. a final save right after a periodic one."""
+        returns that checkpoint: e.g. a final save right after a periodic one.
+
+        Args:
+            folder: where the checkpoints live; each save adds one named by the step (the same
+                folder on every rank, shared when ranks run on several machines).
+
+        Returns:
+            The checkpoint written or found (``folder`` itself on replicas that do not write).
+        """
         self.flush()
         if self._threads is None and self.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
@@ -555,7 +613,7 @@ class Pipeline:
         self._saved = (self.step, path)
         return path
 
-    def _already_saved(self, folder: str | os.PathLike, step: int, path: Path) -> bool:
+    def _already_saved(self, folder: str | os.PathLike[str], step: int, path: Path) -> bool:
         """Whether ``path``, this pipeline's checkpoint of ``step``, holds its state now: same
         step, same folder, still complete on disk (the same answer on every rank)."""
         return (
@@ -564,9 +622,16 @@ class Pipeline:
             and (path / "manifest.json").is_file()
         )
 
-    def load(self, folder: str | os.PathLike) -> int | None:
-        """Restore the newest checkpoint in ``folder`` (made under any balance); return its
-        step, or None if there is none. Every rank calls it."""
+    def load(self, folder: str | os.PathLike[str]) -> int | None:
+        """Restore the newest checkpoint in ``folder`` (made under any balance); every rank
+        calls it. An asynchronous pipeline is flushed first.
+
+        Args:
+            folder: a folder ``save`` wrote checkpoints to.
+
+        Returns:
+            The step of the checkpoint restored (also ``self.step``), or None if there is none.
+        """
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
         resumed = checkpointing.load(folder, self.stages, self.scaler)
         if resumed is None:
@@ -586,7 +651,7 @@ class Pipeline:
             dist.barrier(group=self._group)
 
     @property
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         """The last step's metrics as numbers (see the class docstring). The step keeps its
         device's figures (loss, gradient norm, skipped, loss scale) as tensors; the first read
         after a step waits for the device once, and reports any skipped step not yet warned of."""
@@ -598,7 +663,7 @@ class Pipeline:
 
     def _record_metrics(
         self, loss: torch.Tensor, step_time: float, executors: list[Executor], batch: object,
-        extra: dict,
+        extra: dict[str, Any],
     ) -> None:
         size = microbatch.batch_size(batch, "batch") if batch is not None else None  # type: ignore[arg-type]
         bubbles = [1.0 - e.compute_time / step_time for e in executors]
@@ -646,9 +711,17 @@ class Pipeline:
         return [float(t[0]) for t in every], [float(t[1]) for t in every]
 
     def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
-        """Forward only, in eval mode and without gradients; the output on the last stage
-        (None elsewhere). An asynchronous pipeline is flushed first: evaluation sees settled
-        weights."""
+        """Forward only, in eval mode and without gradients. An asynchronous pipeline is
+        flushed first: evaluation sees settled weights.
+
+        Args:
+            x: the input, a Tensor or a tuple of Tensors split along dimension 0 into
+                ``chunks`` micro-batches; only the first stage reads it (None elsewhere).
+
+        Returns:
+            The model's output for the whole batch on the rank of the last stage (in one
+            process: here), None on other ranks.
+        """
         _check_batches(x, None)
         self.flush()
         modes = [stage.module.training for stage in self.stages]
@@ -665,7 +738,7 @@ class Pipeline:
 
     def _split(
         self, value: microbatch.Batch | None, what: str, device: torch.device
-    ) -> list | None:
+    ) -> list[Any] | None:
         if value is None:
             return None
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)

@@ -20,7 +20,7 @@ def layer_signature(model: nn.Sequential) -> tuple[list[str], list[int]]:
     return names, counts
 
 
-def load_plan(plan: str | os.PathLike | Plan, model: nn.Sequential) -> Plan:
+def load_plan(plan: str | os.PathLike[str] | Plan, model: nn.Sequential) -> Plan:
     """The plan (read from JSON if a path), refused unless it was made for ``model``."""
     if not isinstance(plan, Plan):
         plan = Plan.load(Path(plan))

@@ -15,6 +15,7 @@ does in one process: halve on an overflow, double after ``growth_interval`` clea
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 def autocast(
     device: torch.device, dtype: torch.dtype | None, cache: bool = True
-) -> AbstractContextManager:
+) -> AbstractContextManager[Any]:
     """``torch.autocast`` on ``device`` to ``dtype``; nothing for fp32 (None). ``cache=False``
     recasts the weights at each use (a CUDA graph's capture needs that)."""
     if dtype is None:
@@ -93,14 +94,14 @@ class LossScaler:
             self.backoff_factor, self.growth_interval,
         )
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.scale, "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
             "clean_steps": self.clean_steps,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tensor.fill_(float(state["scale"]))
         self._clean.fill_(int(state["clean_steps"]))
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]

@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,7 +147,7 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.marks: list = []
+        self.marks: list[Any] = []
 
     def mark(self) -> None:
         if self.cuda:

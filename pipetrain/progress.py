@@ -8,7 +8,7 @@ import logging
 import resource
 import shutil
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -70,7 +70,7 @@ class Progress:
         self.tty = self.stream.isatty()
         self._open = False  # a terminal line drawn in place, not yet ended
 
-    def line(self, metrics: dict, width: int | None = None) -> str:
+    def line(self, metrics: dict[str, Any], width: int | None = None) -> str:
         """The step's metrics in one line. Within ``width`` characters (if given) the
         per-stage figures shrink to their range, then whole fields go from the end (lr, grad
         norm, memory, bubble, speed); no figure is ever cut."""
@@ -113,7 +113,7 @@ class Progress:
         """Whether step ``step`` is reported: every ``every`` steps, and the last one."""
         return step % self.every == 0 or step == self.total
 
-    def update(self, metrics: dict) -> None:
+    def update(self, metrics: dict[str, Any]) -> None:
         """Report a finished step, if it is due."""
         if not self.due(metrics["step"]):
             return

@@ -9,6 +9,8 @@ only reading it before then waits. On a CPU the tensor is already on the host: n
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -30,7 +32,7 @@ class HostCopy:
         """Whether the copy has landed (reading it now waits for nothing)."""
         return self._event is None or self._event.query()
 
-    def values(self) -> list:
+    def values(self) -> list[Any]:
         """The values, waiting for the copy if it has not landed yet."""
         if self._event is not None:
             self._event.synchronize()

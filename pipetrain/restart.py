@@ -22,7 +22,9 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def start_or_resume(pipe: Pipeline, folder: str | os.PathLike, resume: bool = False) -> int | None:
+def start_or_resume(
+    pipe: Pipeline, folder: str | os.PathLike[str], resume: bool = False
+) -> int | None:
     """Resume ``pipe`` from the newest checkpoint in ``folder`` when ``resume`` is set or
     torchrun restarted the job, and return its step (None when the folder holds none yet);
     otherwise start fresh at step 0 and save that step in ``folder``. Every rank calls it."""

@@ -27,8 +27,9 @@ from pipetrain.precision import autocast, to_boundary
 from pipetrain.rng import StageRng, State, draw_seeds
 from pipetrain.stage_module import Cuts, LayerRun, StageModule
 from pipetrain.weights import WeightVersions
+from schedules.registry import RECOMPUTE_MODES
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
+CHECKPOINT_MODES = RECOMPUTE_MODES  # a schedule's default is its registry entry's
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -60,15 +61,6 @@ def build_optimizer(
             "schedule (LambdaLR, CosineAnnealingLR, ...) as lr_scheduler"
         )
     return built, scheduler
-
-
-def default_checkpoint(schedule: str) -> str:
-    """The recompute mode a schedule gets unless told otherwise. GPipe holds every
-    micro-batch's activations until its backwards start, so it recomputes all but the last
-    micro-batch ("except_last"); 1F1B, interleaved, zero-bubble and the asynchronous schedules
-    hold at most about a pipeline depth of micro-batches, where recomputing costs throughput
-    (a quarter of it under 1F1B) for little memory, so they keep activations ("never")."""
-    return "except_last" if schedule == "gpipe" else "never"
 
 
 # W's work for one micro-batch: (tensors, their gradients, the weights to reach from them)
@@ -251,7 +243,7 @@ class Stage:
             self._divisor = self.loss_divisor or chunks
             saved: tuple[torch.Tensor, ...] = (loss,)
         else:
-            saved = output if isinstance(output, tuple) else (output,)  # type: ignore[assignment]
+            saved = output if isinstance(output, tuple) else (output,)
         if self.versions is not None and self.versions.recomputes:
             saved = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in saved)
         self._stash[microbatch] = _Stashed(inputs, saved, cuts)
@@ -387,7 +379,7 @@ class Stage:
                 live = all(w is p for w, p in zip(weights, self._weights, strict=True))
                 with torch.enable_grad(), self.rng.replay(start):
                     out = self._functional(None if live else weights, target)(value)
-                outputs_all = out if isinstance(out, tuple) else (out,)  # type: ignore[assignment]
+                outputs_all = out if isinstance(out, tuple) else (out,)
             outputs = [t for t in outputs_all if t.requires_grad]
             grads = self._output_grads(outputs, grads, microbatch)
             # backward() accumulates into .grad in place: into the live parameters' when the

@@ -98,7 +98,7 @@ class StageModule(nn.Sequential):
             return module
         return cls(OrderedDict(module.named_children()))
 
-    def forward(self, value: object, run: LayerRun | None = None) -> object:  # type: ignore[override]
+    def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""
         for position, layer in enumerate(self):
             if run is not None:
@@ -128,10 +128,10 @@ class PipelineLayers(nn.Sequential):
     """This process's layers, keyed as in the full model: ``pipe.module``. The stages run the
     layers, never this module, so it refuses forward and backward hooks."""
 
-    register_forward_pre_hook = _refused("register_forward_pre_hook")  # type: ignore[assignment]
-    register_forward_hook = _refused("register_forward_hook")  # type: ignore[assignment]
-    register_full_backward_pre_hook = _refused(  # type: ignore[assignment]
+    register_forward_pre_hook = _refused("register_forward_pre_hook")
+    register_forward_hook = _refused("register_forward_hook")
+    register_full_backward_pre_hook = _refused(
         "register_full_backward_pre_hook"
     )
-    register_full_backward_hook = _refused("register_full_backward_hook")  # type: ignore[assignment]
-    register_backward_hook = _refused("register_backward_hook")  # type: ignore[assignment]
+    register_full_backward_hook = _refused("register_full_backward_hook")
+    register_backward_hook = _refused("register_backward_hook")

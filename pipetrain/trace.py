@@ -19,10 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.tags import CLOCK_TAG
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
 from schedules.action import COMPUTE, RECVS, SENDS, TIMED
 from schedules.simulate import Cores
@@ -130,10 +132,10 @@ def load_folder(folder: str | Path) -> list[RankTrace]:
     return sorted((load(p) for p in paths), key=lambda t: t.stage)
 
 
-def chrome_trace(traces: Sequence[RankTrace]) -> dict:
+def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
     """Chrome/Perfetto trace events: one track per rank, one slice per action (µs)."""
     origin = min((s.start for t in traces for step in t.steps for s in step), default=0.0)
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for t in traces:
         held = ", ".join(map(str, t.schedule.stages_on(t.stage)))
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": t.rank,
@@ -173,13 +175,13 @@ def measure_clock_offset(
     for peer in ranks[1:]:
         for _ in range(rounds):
             if me == ranks[0]:
-                dist.recv(ping, peer, group=group)
+                dist.recv(ping, peer, group=group, tag=CLOCK_TAG)
                 ping[0] = time.perf_counter()
-                dist.send(ping, peer, group=group)
+                dist.send(ping, peer, group=group, tag=CLOCK_TAG)
             elif me == peer:
                 sent = time.perf_counter()
-                dist.send(ping, ranks[0], group=group)
-                dist.recv(ping, ranks[0], group=group)
+                dist.send(ping, ranks[0], group=group, tag=CLOCK_TAG)
+                dist.recv(ping, ranks[0], group=group, tag=CLOCK_TAG)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
     if me == ranks[0]:
@@ -382,7 +384,7 @@ def simulated_twin(
     )
 
 
-def report(folder: str | Path, png: bool = True, step: int = -1) -> dict:
+def report(folder: str | Path, png: bool = True, step: int = -1) -> dict[str, Any]:
     """Merge ``folder``'s rank traces into ``trace.json`` (Chrome/Perfetto) and, with
     matplotlib, ``timeline.png`` (measured step beside its simulated twin); return what was
     written, the step drawn (``step`` counted from 0; negative from the end, -1 the last) and

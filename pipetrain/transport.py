@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommunicationTimeout, PeerError
 from pipetrain.meta import TensorMeta, empty_like_meta
+from pipetrain.tags import BREAK_TAG, tensor_tags
 
 
 class Handle(ABC):
@@ -68,7 +69,9 @@ class Transport(ABC):
 
 
 class _DistributedHandle(Handle):
-    def __init__(self, works: list, tensors: list[torch.Tensor], transport: DistributedTransport):
+    def __init__(
+        self, works: list[Any], tensors: list[torch.Tensor], transport: DistributedTransport
+    ):
         self._works = works
         self._tensors = tensors  # kept alive until the operation completes
         self._transport = transport
@@ -83,7 +86,6 @@ class _DistributedHandle(Handle):
 
 
 STORE_WAIT = 1.0  # seconds a look-up in the rendezvous store may take (its host may be stuck)
-_BREAK_TAG = 2**30  # no message carries it: a receive on it only times out, closing the link
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -120,7 +122,10 @@ class DistributedTransport(Transport):
         dst = self.ranks[peer]
         ready = [t.contiguous() for t in tensors]
         try:
-            works = [dist.isend(t, dst, group=self.group, tag=tag + k) for k, t in enumerate(ready)]
+            works = [
+                dist.isend(t, dst, group=self.group, tag=number)
+                for number, t in zip(tensor_tags(tag, len(ready)), ready, strict=True)
+            ]
         except RuntimeError as error:  # the link to a dead peer is already closed
             self.raise_failure(error)
         return _DistributedHandle(works, ready, self)
@@ -130,7 +135,8 @@ class DistributedTransport(Transport):
         buffers = empty_like_meta(metas, self.device)
         try:
             works = [
-                dist.irecv(t, src, group=self.group, tag=tag + k) for k, t in enumerate(buffers)
+                dist.irecv(t, src, group=self.group, tag=number)
+                for number, t in zip(tensor_tags(tag, len(buffers)), buffers, strict=True)
             ]
         except RuntimeError as error:
             self.raise_failure(error)
@@ -157,7 +163,7 @@ class DistributedTransport(Transport):
             if peer == me:
                 continue
             try:
-                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=_BREAK_TAG)
+                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=BREAK_TAG)
                 if probe is not None:
                     probe.wait(timeout=timedelta(milliseconds=1))
             except RuntimeError:  # timed out (the link is closed now) or closed already
@@ -228,18 +234,23 @@ def _default_store() -> dist.Store | None:
         return None
 
 
+# a message between stages of one process: its tensors, and on a CUDA link the event that
+# marks their copy done
+_Message = tuple[list[torch.Tensor], "torch.cuda.Event | None"]
+
+
 class LocalHub:
     """Mailboxes and the abort flag shared by the stages of one process."""
 
     def __init__(self, devices: Sequence[torch.device]):
         self.devices = list(devices)
-        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue] = {}
+        self._boxes: dict[tuple[int, int, int], queue.SimpleQueue[_Message]] = {}
         self._links: dict[tuple[int, int], _CudaLink] = {}
         self._lock = threading.Lock()
         self.aborted = threading.Event()
         self.reason: str | None = None
 
-    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue:
+    def box(self, src: int, dst: int, tag: int) -> queue.SimpleQueue[_Message]:
         with self._lock:
             return self._boxes.setdefault((src, dst, tag), queue.SimpleQueue())
 
@@ -296,7 +307,7 @@ class _LocalSend(Handle):
 class _LocalRecv(Handle):
     _POLL = 0.05  # seconds between looks at the abort flag
 
-    def __init__(self, box: queue.SimpleQueue, hub: LocalHub):
+    def __init__(self, box: queue.SimpleQueue[_Message], hub: LocalHub):
         self._box, self._hub = box, hub
         self.ready: torch.cuda.Event | None = None  # a CUDA link's copy is done at this event
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +54,8 @@ def learning_rate(stages: Sequence[Stage]) -> float | torch.Tensor | None:
     (as the optimizer holds it: a tensor learning rate is not read here)."""
     for stage in stages:
         if stage.optimizer is not None:
-            return stage.optimizer.param_groups[0]["lr"]
+            lr: float | torch.Tensor = stage.optimizer.param_groups[0]["lr"]
+            return lr
     return None
 
 
@@ -116,7 +118,7 @@ class Update:
                 stage.loss_scale = self.scaler.tensor.to(stage.device)
 
     @torch.no_grad()
-    def run(self, step: int) -> tuple[torch.Tensor, dict]:
+    def run(self, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """Step ``step`` (counted from 1): unscale, agree, maybe skip, clip and step. Returns
         the mini-batch's mean loss and the step's metrics, device tensors both."""
         self.report(wait=False)
@@ -143,7 +145,7 @@ class Update:
             self._step_on_device(found_inf)
             skipped = found_inf.bool()
             self._unreported.append((step, HostCopy(vector)))
-        metrics: dict = {"grad_norm": norm, "skipped_step": skipped}
+        metrics: dict[str, Any] = {"grad_norm": norm, "skipped_step": skipped}
         if self.scaler is not None:
             metrics["loss_scale"] = scale
             self.scaler.update(found_inf)

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from io import BufferedReader
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,14 +47,14 @@ class WeightFileError(ValueError):
 Index = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def is_safetensors(path: str | os.PathLike) -> bool:
+def is_safetensors(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix == ".safetensors"
 
 
 # -- safetensors -----------------------------------------------------------------------------
 
 
-def _read_header(f: BufferedReader, path: Path) -> tuple[dict, int]:
+def _read_header(f: BufferedReader, path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header and the offset where the data begins; clear errors for a damaged file."""
     size = os.fstat(f.fileno()).st_size
     head = f.read(8)
@@ -128,12 +129,12 @@ def _load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
 
 
 def write_safetensors(
-    path: str | os.PathLike, index: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    path: str | os.PathLike[str], index: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     tensors: Iterable[tuple[str, torch.Tensor]],
 ) -> None:
     """Write a safetensors file of the keys in ``index`` (in its order), taking their tensors
     from ``tensors`` one at a time, in the same order: the file never needs them all at once."""
-    header: dict[str, dict] = {}
+    header: dict[str, dict[str, Any]] = {}
     offset = 0
     for key, (dtype, shape) in index.items():
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -200,7 +201,7 @@ _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 # -- both ------------------------------------------------------------------------------------
 
 
-def read_index(path: str | os.PathLike) -> Index:
+def read_index(path: str | os.PathLike[str]) -> Index:
     """Every key of the file with its dtype and shape, read without the tensors' data."""
     path = Path(path)
     if not path.is_file():
@@ -210,7 +211,7 @@ def read_index(path: str | os.PathLike) -> Index:
     return {k: (v.dtype, tuple(v.shape)) for k, v in open_pt(path).items()}
 
 
-def check_index(path: str | os.PathLike, index: Index, model: nn.Module) -> None:
+def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) -> None:
     """One error listing every key the file lacks, every key the model lacks and every shape
     that differs, against ``model``'s whole state_dict (on the meta device, or real)."""
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -234,7 +235,7 @@ def check_index(path: str | os.PathLike, index: Index, model: nn.Module) -> None
         )
 
 
-def load_into(path: str | os.PathLike, module: nn.Module) -> None:
+def load_into(path: str | os.PathLike[str], module: nn.Module) -> None:
     """Read the tensors of ``module``'s state_dict keys (a stage's slice, keyed as the whole
     model) from ``path`` into them, in place."""
     path = Path(path)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,8 +108,8 @@ def predict(
 
 
 def _sgd(
-    p: torch.Tensor, state: dict, group: dict, steps: int, method: str, w: torch.Tensor,
-    spike: bool,
+    p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], steps: int, method: str,
+    w: torch.Tensor, spike: bool,
 ) -> None:
     buf = state.get("momentum_buffer")
     if buf is None:
@@ -123,7 +124,8 @@ def _sgd(
 
 
 def _adam(
-    p: torch.Tensor, state: dict, group: dict, steps: int, adamw: bool, w: torch.Tensor,
+    p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], steps: int, adamw: bool,
+    w: torch.Tensor,
 ) -> None:
     lr, (b1, b2), eps = float(group["lr"]), group["betas"], group["eps"]
     decoupled = adamw or group.get("decoupled_weight_decay", False)

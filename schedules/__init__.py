@@ -12,13 +12,22 @@ from schedules.asynchronous import (
 )
 from schedules.errors import ScheduleError
 from schedules.generators import (
-    GENERATORS,
-    build,
+    from_order,
     gpipe,
     interleaved,
     one_f_one_b,
     zero_bubble_h1,
     zero_bubble_h2,
+)
+from schedules.registry import (
+    GENERATORS,
+    ScheduleSpec,
+    build,
+    inflight,
+    lookup,
+    names,
+    register,
+    unregister,
 )
 from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
@@ -30,21 +39,28 @@ __all__ = [
     "Kind",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "Simulation",
     "Span",
     "bubble_fraction",
     "build",
     "drain",
     "for_call",
+    "from_order",
     "gpipe",
+    "inflight",
     "interleaved",
+    "lookup",
     "measure_lag",
+    "names",
     "one_f_one_b",
     "peak_versions",
     "pipedream",
     "pipedream_2bw",
+    "register",
     "simulate",
     "steady_state",
+    "unregister",
     "unroll",
     "validate",
     "zero_bubble_h1",

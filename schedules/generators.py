@@ -1,20 +1,37 @@
-"""Schedule generators: one function per schedule name, from (stages, micro-batches) to actions.
+"""Schedule generators: one function per schedule, from (stages, micro-batches) to actions.
 
 Communication is placed so that the schedule is deadlock-free even when every send blocks until
 its receive is posted (the validator checks this): on each link, both ends list their messages in
 the same order. The runtime may post a send earlier than listed (as soon as its tensor exists),
 which can only remove waiting, never add a deadlock. GPipe and 1F1B place their messages by
 hand; the interleaved and zero-bubble generators state only each rank's compute order and let
-:func:`schedules.messages.with_messages` place the messages.
+:func:`from_order` (:func:`schedules.messages.with_messages`) place the messages, as a new
+synchronous generator should. Which generator a schedule name means, and what the rest of
+pipetrain knows about it, is its entry in schedules/registry.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from schedules.action import Action, Kind, Schedule, check_sizes
-from schedules.asynchronous import pipedream, pipedream_2bw
 from schedules.messages import with_messages
+
+
+def from_order(
+    name: str,
+    stages: int,
+    microbatches: int,
+    order: Callable[[int], list[Action]],
+    placement: Sequence[int] | None = None,
+) -> Schedule:
+    """The schedule ``name`` whose rank r computes ``order(r)`` (its F, B and W actions in
+    order); :func:`schedules.messages.with_messages` adds the sends, receives and STEPs. The
+    interleaved and zero-bubble generators end here, and so can a new synchronous one."""
+    where = tuple(range(stages)) if placement is None else tuple(placement)
+    ranks = max(where, default=-1) + 1
+    actions = with_messages(stages, where, {r: order(r) for r in range(ranks)})
+    return Schedule(name, stages, microbatches, actions, where)
 
 
 def _forward(stage: int, stages: int, mb: int) -> list[Action]:
@@ -134,12 +151,11 @@ def interleaved(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Sche
             f"use {fix} micro-batches"
         )
     stages = ranks * chunks_per_rank
-    placement = tuple(s % ranks for s in range(stages))
-    compute = {
-        r: _interleaved_order(r, ranks, microbatches, chunks_per_rank) for r in range(ranks)
-    }
-    actions = with_messages(stages, placement, compute)
-    return Schedule("interleaved", stages, microbatches, actions, placement)
+    return from_order(
+        "interleaved", stages, microbatches,
+        lambda r: _interleaved_order(r, ranks, microbatches, chunks_per_rank),
+        placement=[s % ranks for s in range(stages)],
+    )
 
 
 # -- zero bubble (Qi et al. 2023) ---------------------------------------------------------------
@@ -177,11 +193,10 @@ def _split_backward(
 ) -> Schedule:
     """The schedule whose stage s runs ``_split_backward_order`` with ``warmup(s)`` and
     ``delay(s)``, one stage per rank."""
-    compute = {
-        s: _split_backward_order(s, microbatches, warmup(s), delay(s)) for s in range(stages)
-    }
-    actions = with_messages(stages, range(stages), compute)
-    return Schedule(name, stages, microbatches, actions)
+    return from_order(
+        name, stages, microbatches,
+        lambda s: _split_backward_order(s, microbatches, warmup(s), delay(s)),
+    )
 
 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
@@ -221,64 +236,3 @@ def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
         warmup=lambda s: 2 * (stages - s) - 1,
         delay=lambda s: 2 * s,
     )
-
-
-# -- by name ------------------------------------------------------------------------------------
-
-# name -> generator of (stages, microbatches); "interleaved" takes (ranks, microbatches) and puts
-# two chunks on each rank unless told otherwise: call it through build(..., ranks=...).
-GENERATORS: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "zb-h1": zero_bubble_h1,
-    "zb-h2": zero_bubble_h2,
-    "pipedream": pipedream,  # asynchronous: one list per train_step, see schedules/asynchronous
-    "pipedream-2bw": pipedream_2bw,
-}
-
-# schedules that place several stages on one rank: build() needs ranks= for them
-MULTI_STAGE_PER_RANK = frozenset({"interleaved"})
-
-# schedules that split the backward into B (input gradient) and W (weight gradient)
-SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2"})
-
-
-def build(name: str, stages: int, microbatches: int, *, ranks: int | None = None) -> Schedule:
-    """The schedule called ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
-
-    ``ranks`` is the number of devices. Schedules with one stage per rank need none (or
-    ``ranks=stages``); "interleaved" needs it and puts ``stages // ranks`` chunks on each rank,
-    e.g. ``build("interleaved", 8, 16, ranks=4)`` for two chunks on each of four ranks.
-    """
-    try:
-        generator = GENERATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}"
-        ) from None
-    if name in MULTI_STAGE_PER_RANK:
-        return interleaved(*_chunks(name, stages, microbatches, ranks))
-    if ranks is not None and ranks != stages:
-        raise ValueError(
-            f"schedule {name!r} runs one stage per rank, so ranks must equal stages "
-            f"(got ranks={ranks}, stages={stages}); 'interleaved' puts several stages on a rank"
-        )
-    return generator(stages, microbatches)
-
-
-def _chunks(name: str, stages: int, microbatches: int, ranks: int | None) -> tuple[int, int, int]:
-    """(ranks, microbatches, chunks per rank) for a schedule with several stages per rank."""
-    if ranks is None:
-        raise ValueError(
-            f"schedule {name!r} needs ranks=: stages = ranks x chunks per rank, e.g. "
-            f"build({name!r}, 8, {microbatches}, ranks=4) for 2 chunks on each of 4 ranks"
-        )
-    if ranks < 1:
-        raise ValueError(f"a pipeline needs at least one rank, got ranks={ranks}")
-    if stages < ranks or stages % ranks:
-        raise ValueError(
-            f"schedule {name!r} puts the same number of stages on every rank: stages={stages} "
-            f"is not a positive multiple of ranks={ranks}"
-        )
-    return ranks, microbatches, stages // ranks

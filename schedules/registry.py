@@ -1,0 +1,269 @@
+"""Every schedule by name: one entry each, carrying what the rest of pipetrain knows about it.
+
+Config, planner, memory accounting and runtime read a schedule's properties here and nowhere
+else, so adding a schedule is one :class:`ScheduleSpec` passed to :func:`register` (a generator
+that states each rank's compute order through :func:`schedules.generators.from_order` gets its
+messages placed for it). :func:`register` builds the schedule at a few small sizes and refuses an
+entry whose stated properties its generator contradicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from schedules.action import Kind, Schedule
+from schedules.asynchronous import pipedream, pipedream_2bw, unroll
+from schedules.generators import gpipe, interleaved, one_f_one_b, zero_bubble_h1, zero_bubble_h2
+from schedules.validate import validate
+
+RECOMPUTE_MODES = ("never", "except_last", "always")  # torchgpipe's activation checkpointing
+
+# (stage, stages, micro-batches) -> micro-batches whose activations that stage holds at once
+InflightRule = Callable[[int, int, int], int]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule and its properties.
+
+    ``generator`` builds it: ``generator(stages, microbatches)``, or for a schedule with
+    several stages per rank ``generator(ranks, microbatches, stages_per_rank)``; the Schedule
+    it returns carries ``name``. ``split_backward``: its lists have W actions (B then computes
+    input gradients only). ``asynchronous``: it never flushes (see schedules/asynchronous.py);
+    ``update_per_microbatch``: such a schedule updates after every micro-batch rather than once
+    per mini-batch. ``checkpoint`` is the recomputation mode Pipeline uses unless told otherwise.
+    ``inflight(stage, stages, microbatches)`` is the most micro-batches whose activations a
+    stage holds at once (DeepSpeed's ``num_pipe_buffers``); None counts it along the generated
+    lists. ``runnable`` is False for a schedule that can be validated and simulated but that the
+    runtime does not execute.
+    """
+
+    name: str
+    generator: Callable[..., Schedule]
+    multi_stage_per_rank: bool = False
+    split_backward: bool = False
+    asynchronous: bool = False
+    update_per_microbatch: bool = False
+    checkpoint: str = "never"
+    inflight: InflightRule | None = None
+    runnable: bool = True
+
+
+def _gpipe_inflight(stage: int, stages: int, microbatches: int) -> int:
+    return microbatches
+
+
+def _one_f_one_b_inflight(stage: int, stages: int, microbatches: int) -> int:
+    return min(microbatches, stages - stage)
+
+
+def _stream_inflight(stage: int, stages: int, microbatches: int) -> int:
+    """PipeDream's endless 1F1B stream: stage s always has p - s micro-batches in flight."""
+    return stages - stage
+
+
+# GPipe holds every micro-batch's activations until its backwards start, so it recomputes all
+# but the last micro-batch; the others hold about a pipeline depth of micro-batches, where
+# recomputing costs throughput (a quarter of it under 1F1B) for little memory.
+_REGISTRY: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", gpipe, checkpoint="except_last", inflight=_gpipe_inflight),
+        ScheduleSpec("1f1b", one_f_one_b, inflight=_one_f_one_b_inflight),
+        ScheduleSpec("interleaved", interleaved, multi_stage_per_rank=True),
+        ScheduleSpec("zb-h1", zero_bubble_h1, split_backward=True),
+        ScheduleSpec("zb-h2", zero_bubble_h2, split_backward=True),
+        ScheduleSpec(
+            "pipedream", pipedream, asynchronous=True, update_per_microbatch=True,
+            inflight=_stream_inflight,
+        ),
+        ScheduleSpec("pipedream-2bw", pipedream_2bw, asynchronous=True, inflight=_stream_inflight),
+    )
+}
+
+
+class _Generators(Mapping[str, Callable[..., Schedule]]):
+    """The registry seen as name -> generator (the older ``GENERATORS`` table)."""
+
+    def __getitem__(self, name: str) -> Callable[..., Schedule]:
+        return _REGISTRY[name].generator
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_REGISTRY)
+
+    def __len__(self) -> int:
+        return len(_REGISTRY)
+
+
+GENERATORS: Mapping[str, Callable[..., Schedule]] = _Generators()
+
+
+def names(**properties: object) -> list[str]:
+    """The registered schedule names, sorted; with keywords, those whose entries have those
+    values, e.g. ``names(asynchronous=True)``."""
+    return sorted(
+        name for name, spec in _REGISTRY.items()
+        if all(getattr(spec, key) == value for key, value in properties.items())
+    )
+
+
+def lookup(name: str) -> ScheduleSpec:
+    """The entry of schedule ``name``; an unknown name is refused with the choices."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {names()}") from None
+
+
+def register(spec: ScheduleSpec) -> None:
+    """Add ``spec`` to the registry, after checking its generator against what it states."""
+    if spec.name in _REGISTRY:
+        raise ValueError(
+            f"schedule {spec.name!r} is registered already; pick another name or unregister it"
+        )
+    check_spec(spec)
+    _REGISTRY[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Remove schedule ``name`` (one that :func:`register` added, say in a test)."""
+    lookup(name)
+    del _REGISTRY[name]
+
+
+def build(name: str, stages: int, microbatches: int, *, ranks: int | None = None) -> Schedule:
+    """The schedule called ``name`` for ``stages`` stages and ``microbatches`` micro-batches.
+
+    ``ranks`` is the number of devices. Schedules with one stage per rank need none (or
+    ``ranks=stages``); "interleaved" needs it and puts ``stages // ranks`` chunks on each rank,
+    e.g. ``build("interleaved", 8, 16, ranks=4)`` for two chunks on each of four ranks.
+    """
+    spec = lookup(name)
+    if spec.multi_stage_per_rank:
+        return spec.generator(*_chunks(name, stages, microbatches, ranks))
+    if ranks is not None and ranks != stages:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per rank, so ranks must equal stages "
+            f"(got ranks={ranks}, stages={stages}); 'interleaved' puts several stages on a rank"
+        )
+    return spec.generator(stages, microbatches)
+
+
+def _chunks(name: str, stages: int, microbatches: int, ranks: int | None) -> tuple[int, int, int]:
+    """(ranks, microbatches, chunks per rank) for a schedule with several stages per rank."""
+    if ranks is None:
+        raise ValueError(
+            f"schedule {name!r} needs ranks=: stages = ranks x chunks per rank, e.g. "
+            f"build({name!r}, 8, {microbatches}, ranks=4) for 2 chunks on each of 4 ranks"
+        )
+    if ranks < 1:
+        raise ValueError(f"a pipeline needs at least one rank, got ranks={ranks}")
+    if stages < ranks or stages % ranks:
+        raise ValueError(
+            f"schedule {name!r} puts the same number of stages on every rank: stages={stages} "
+            f"is not a positive multiple of ranks={ranks}"
+        )
+    return ranks, microbatches, stages // ranks
+
+
+def inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once under
+    ``schedule`` (a forward stores one, the backward frees it, or the W when the backward is
+    split): the entry's rule where it states one, else counted along the lists (an
+    asynchronous schedule's over enough calls to reach its steady state)."""
+    rule = lookup(schedule.name).inflight
+    if rule is None:
+        return counted_inflight(schedule)
+    return tuple(rule(s, schedule.stages, schedule.microbatches) for s in range(schedule.stages))
+
+
+def counted_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """:func:`inflight` counted along the lists, whatever the entry states."""
+    if schedule.asynchronous:
+        schedule = unroll(schedule, -(-schedule.stages // schedule.microbatches) + 2)
+    frees = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
+    held, peak = [0] * schedule.stages, [0] * schedule.stages
+    for ops in schedule.actions.values():
+        for action in ops:
+            if action.kind is Kind.FORWARD:
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind is frees:
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
+# (stages or ranks, micro-batches) at which register() builds a new entry's schedule
+_CHECK_SIZES = ((1, 1), (2, 2), (2, 5), (3, 4), (4, 3), (4, 8))
+
+
+def check_spec(spec: ScheduleSpec) -> None:
+    """Build ``spec``'s schedule at a few small sizes, validate each and compare it with what
+    the entry states; raise ValueError naming the first contradiction."""
+    if spec.checkpoint not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"schedule {spec.name!r}: checkpoint must be one of {RECOMPUTE_MODES}, "
+            f"got {spec.checkpoint!r}"
+        )
+    if spec.asynchronous and spec.checkpoint != "never":
+        raise ValueError(
+            f"schedule {spec.name!r} is asynchronous: a micro-batch's backward reads the "
+            "weights its forward read, which recomputation would not; use checkpoint='never'"
+        )
+    if spec.update_per_microbatch and not spec.asynchronous:
+        raise ValueError(
+            f"schedule {spec.name!r}: update_per_microbatch applies to asynchronous schedules"
+        )
+    built = 0
+    for ranks, microbatches in _CHECK_SIZES:
+        stages = 2 * ranks if spec.multi_stage_per_rank else ranks
+        try:
+            schedule = (
+                spec.generator(ranks, microbatches, 2) if spec.multi_stage_per_rank
+                else spec.generator(stages, microbatches)
+            )
+        except ValueError:  # a size the schedule refuses (too few micro-batches, say)
+            continue
+        _check_built(spec, schedule, stages, microbatches)
+        built += 1
+    if not built:
+        raise ValueError(f"schedule {spec.name!r}: its generator refused every size tried")
+
+
+def _check_built(spec: ScheduleSpec, schedule: Schedule, stages: int, microbatches: int) -> None:
+    """``schedule``, built by ``spec`` at this size, against what ``spec`` states."""
+    where = f"schedule {spec.name!r} at {stages} stages, {microbatches} micro-batches"
+    validate(schedule)
+    stated = {
+        "name": spec.name,
+        "stages": stages,
+        "microbatches": microbatches,
+        "asynchronous": spec.asynchronous,
+        "split_backward": spec.split_backward,
+        "several stages on a rank": spec.multi_stage_per_rank,
+        "micro-batches per update": 1 if spec.update_per_microbatch else microbatches,
+    }
+    found = {
+        "name": schedule.name,
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "asynchronous": schedule.asynchronous,
+        "split_backward": schedule.splits_backward,
+        "several stages on a rank": not schedule.one_stage_per_rank,
+        "micro-batches per update": (
+            schedule.update_every if schedule.asynchronous else microbatches
+        ),
+    }
+    for key, value in stated.items():
+        if found[key] != value:
+            raise ValueError(f"{where}: the entry states {key} = {value}, the schedule has "
+                             f"{found[key]}; make the entry and the generator agree")
+    if spec.inflight is not None:
+        rule = tuple(spec.inflight(s, stages, microbatches) for s in range(stages))
+        if rule != counted_inflight(schedule):
+            raise ValueError(
+                f"{where}: the entry's inflight rule gives {list(rule)} micro-batches per "
+                f"stage but the lists hold {list(counted_inflight(schedule))}; fix the rule "
+                "or leave it out (None counts along the lists)"
+            )

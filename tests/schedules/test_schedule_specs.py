@@ -1,0 +1,82 @@
+"""The registry: one entry per schedule, checked against its generator, read everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from partitioner.costs import inflight as planned_inflight
+from schedules import GENERATORS, build, inflight, lookup, names, register
+from schedules.registry import check_spec, counted_inflight
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_entry_states_what_its_generator_builds(name):
+    check_spec(lookup(name))
+
+
+@pytest.mark.parametrize(
+    "name, change, complaint",
+    [
+        ("gpipe", dict(split_backward=True), "split_backward = True"),
+        ("zb-h1", dict(split_backward=False), "split_backward = False"),
+        ("1f1b", dict(asynchronous=True), "asynchronous"),
+        ("interleaved", dict(multi_stage_per_rank=False), "states stages = "),
+        ("pipedream", dict(update_per_microbatch=False), "micro-batches per update"),
+        ("gpipe", dict(inflight=lambda s, p, m: min(m, p - s)), "inflight rule gives"),
+        ("1f1b", dict(checkpoint="sometimes"), "checkpoint must be one of"),
+        ("pipedream", dict(checkpoint="always"), "use checkpoint='never'"),
+        ("gpipe", dict(name="other"), "states name = other"),
+    ],
+)
+def test_an_entry_its_generator_contradicts_is_refused(name, change, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        check_spec(replace(lookup(name), **change))
+    assert "other" not in names()
+
+
+def test_register_checks_before_it_adds():
+    with pytest.raises(ValueError, match="states name = other, the schedule has gpipe"):
+        register(replace(lookup("gpipe"), name="other"))
+    assert "other" not in names()
+
+
+def test_a_name_is_registered_once():
+    with pytest.raises(ValueError, match="registered already"):
+        register(lookup("1f1b"))
+
+
+def test_generators_is_a_view_of_the_registry():
+    assert sorted(GENERATORS) == names()
+    assert names(asynchronous=True) == ["pipedream", "pipedream-2bw"]
+    assert names(multi_stage_per_rank=True, runnable=True) == ["interleaved"]
+    assert all(GENERATORS[n] is lookup(n).generator for n in names())
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb-v'; choose one of \['1f1b'"):
+        lookup("zb-v")
+
+
+def test_stated_inflight_rules_agree_with_the_lists():
+    for name in names():
+        spec = lookup(name)
+        for p, m in [(1, 1), (2, 4), (4, 4), (4, 8), (5, 2)]:
+            ranks = p // 2 if spec.multi_stage_per_rank else None
+            if spec.multi_stage_per_rank and (p % 2 or m % (p // 2)):
+                continue
+            try:
+                schedule = build(name, p, m, ranks=ranks)
+            except ValueError:  # pipedream-2bw needs m >= p - 1
+                continue
+            assert inflight(schedule) == counted_inflight(schedule), (name, p, m)
+
+
+def test_the_planner_counts_pipedreams_micro_batches_across_calls():
+    """PipeDream's stream keeps p - s micro-batches in flight on stage s however few a call
+    feeds (the runtime's ledger measures this, tests/runtime/test_schedule_registry.py); the
+    planner once took the peak of one call's list, 1 per stage with one micro-batch a call."""
+    assert planned_inflight("pipedream", 4, 1) == [4, 3, 2, 1]
+    assert planned_inflight("pipedream", 4, 2) == [4, 3, 2, 1]
+    assert planned_inflight("pipedream-2bw", 4, 3) == [4, 3, 2, 1]
+    assert planned_inflight("gpipe", 3, 5) == [5, 5, 5]
+    assert planned_inflight("1f1b", 3, 5) == [3, 2, 1]
+
