@@ -42,7 +42,7 @@ from partitioner import (
     stage_costs,
 )
 from pipetrain import __version__
-from pipetrain.cli_train import add_train_command
+from pipetrain.cli_train import add_train_command, json_kwargs
 from pipetrain.errors import CheckpointError
 from schedules import Simulation, lookup, names
 
@@ -217,11 +217,9 @@ def _threads_per_rank(ranks_per_node: int) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     shape = _ints(args.input_shape, "--input-shape")
     try:
-        kwargs = json.loads(args.kwargs)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--kwargs is not valid JSON: {error}") from None
-    if not isinstance(kwargs, dict):
-        raise UsageError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+        kwargs = json_kwargs(args.kwargs)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     factory = _import_factory(args.model)
 
     import torch

@@ -58,13 +58,18 @@ def _check(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         raise ValueError("--resume needs --checkpoint-dir (the folder to resume from)")
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to save)")
+    return Plan.load(args.plan), json_kwargs(args.kwargs)
+
+
+def json_kwargs(text: str) -> dict[str, Any]:
+    """``--kwargs``: a JSON object of keyword arguments; a ValueError naming what is wrong."""
     try:
-        kwargs = json.loads(args.kwargs)
+        kwargs = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"--kwargs is not valid JSON: {error}") from None
     if not isinstance(kwargs, dict):
-        raise ValueError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
-    return Plan.load(args.plan), kwargs
+        raise ValueError(f"--kwargs must be a JSON object, got {text!r}")
+    return kwargs
 
 
 def cmd_train(args: argparse.Namespace, import_factory: ImportFactory) -> int:

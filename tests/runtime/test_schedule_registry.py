@@ -11,7 +11,7 @@ gradient's summation, ~1e-7; a lost micro-batch or a wrong loss scale moves it b
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -32,7 +32,7 @@ from schedules import (
 )
 from schedules.action import check_sizes
 from tests.runtime.harness import run_ranks, values
-from tests.runtime.models import batches, mlp, sgd, text_batches, tiny_gpt
+from tests.runtime.models import batches, mlp, reference, sgd, text_batches, tiny_gpt
 
 TOLERANCE = 1e-5
 NAME = "gpipe-lifo"
@@ -63,21 +63,8 @@ def registered(spec: ScheduleSpec = SPEC) -> Iterator[None]:
         unregister(spec.name)
 
 
-def reference(model: nn.Sequential, data: list, loss_fn: Callable) -> tuple[dict, list[float]]:
-    """Plain single-process training with SGD and momentum."""
-    optimizer = sgd(model.parameters())
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
-
-
 def assert_like_one_process(states: list[dict], losses: list[float], model, data, loss_fn):
-    expected_state, expected_losses = reference(copy.deepcopy(model), data, loss_fn)
+    expected_state, expected_losses = reference(copy.deepcopy(model), data, loss_fn=loss_fn)
     state = {k: v for s in states for k, v in s.items()}
     assert set(state) == set(expected_state), "the stages together hold every parameter"
     for key, value in state.items():
