@@ -41,6 +41,7 @@ from pipetrain.placement import Placement, join
 from pipetrain.planning import warn_other_microbatch
 from pipetrain.precision import LossScaler
 from pipetrain.progress import Progress, logger, memory_kind, memory_label, peak_memory
+from pipetrain.readback import step_loss
 from pipetrain.rng import draw_seeds
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.stage_module import PipelineLayers
@@ -560,7 +561,7 @@ class Pipeline:
         every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
         if folder is not None and every and self.step % every == 0:
             self.save(folder)
-        return value
+        return step_loss(value)
 
     def _call_list(self, call: int) -> Schedule:
         """The list of the call-th train_step since the last flush (cached: from the call at

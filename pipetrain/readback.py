@@ -9,6 +9,7 @@ only reading it before then waits. On a CPU the tensor is already on the host: n
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -37,3 +38,28 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+
+class StepLoss(torch.Tensor):
+    """The loss ``train_step`` returns: a 0-d tensor on the device that made it, read (the
+    one host sync) only when the caller reads it: ``float(loss)``, ``loss.item()``,
+    ``f"{loss:.4f}"``, a comparison. It also counts as a real number (``numbers.Real``), so
+    that number-minded code such as ``pytest.approx`` or ``math.isclose`` takes it as one."""
+
+    __len__ = None  # type: ignore[assignment]  # a scalar, not a sequence: no len(), and not taken for a collection
+
+    def __format__(self, spec: str) -> str:
+        return format(self.item(), spec)
+
+    @property
+    def imag(self) -> float:  # type: ignore[override]
+        """A real number's imaginary part, as ``numbers.Real`` has it."""
+        return 0.0
+
+
+numbers.Real.register(StepLoss)
+
+
+def step_loss(value: torch.Tensor) -> StepLoss:
+    """``value`` (a 0-d tensor) as the loss a step returns, without copying or reading it."""
+    return value.detach().as_subclass(StepLoss)

@@ -411,6 +411,6 @@ def test_an_asynchronous_schedule_steps_the_rate_once_per_update_in_bf16():
         precision="bf16",
     )
     for x, y in batches(4):
-        assert torch.isfinite(torch.as_tensor(pipe.train_step(x, y)))
+        assert torch.isfinite(torch.tensor(pipe.train_step(x, y)))
     pipe.flush()  # every stage has made its 4 updates (one per mini-batch)
     assert [s.optimizer.param_groups[0]["lr"] for s in pipe.stages] == pytest.approx([0.1 / 5] * 2)
