@@ -247,7 +247,6 @@ class StageGraphs:
                     "work; remove them from the model, or pass cuda_graphs='auto' (this stage "
                     "then runs eagerly) or cuda_graphs=False"
                 )
-                _end_generator_capture(self.device)
                 if self.strict:
                     raise StageError(message) from error
                 logger.warning("%s; running eagerly", message)
@@ -263,11 +262,16 @@ class StageGraphs:
         capturable = _Capturable(self.module, self._run, spec)
         sample = [t.detach().clone().requires_grad_(t.requires_grad) for t in sample]
         buffers = [b.detach().clone() for b in self.module.buffers()]
+        pool = torch.cuda.graph_pool_handle()  # this slot's own: its replays may interleave
         try:  # a failed capture puts the buffers back too (its warm-up ran eagerly)
             with torch.cuda.device(self.device), self.rng.replay(self.rng.state):
                 graphed = torch.cuda.make_graphed_callables(
-                    capturable, tuple(sample), num_warmup_iters=WARMUP, allow_unused_input=True
+                    capturable, tuple(sample), num_warmup_iters=WARMUP,
+                    allow_unused_input=True, pool=pool,
                 )
+        except Exception:
+            _clean_up_failed_capture(self.device, pool)
+            raise
         finally:
             with torch.no_grad():
                 for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
@@ -292,12 +296,25 @@ def _quiet_collector(device: torch.device) -> Iterator[None]:
             gc.enable()
 
 
-def _end_generator_capture(device: torch.device) -> None:
-    """After a failed capture: leave the device's default CUDA generator out of capture mode.
-    A capture puts the generator in capture mode at its start and takes it out at its end; a
-    capture that fails ends before that, and from then on every random draw outside a capture
-    (dropout in an eager forward) raises "Offset increment outside graph capture". A capture
-    that succeeds, with nothing in it, takes the generator out again."""
+def _clean_up_failed_capture(device: torch.device, pool: Any) -> None:
+    """Undo what a capture that failed (its end raised) left half done, so that eager work and
+    later captures in this process stay right:
+
+    - the caching allocator may still route the capture stream's allocations to ``pool``
+      (torch ends that after the check that raised): later captures on that stream, in other
+      pools, would then share its memory with each other, and one slot's replay could overwrite
+      another's saved activations;
+    - the device's default CUDA generator stays in capture mode (a capture puts it in at its
+      start and takes it out at its end): every random draw outside a capture (dropout in an
+      eager forward) then raises "Offset increment outside graph capture". A capture that
+      succeeds, with nothing in it, takes it out again."""
+    with torch.cuda.device(device):
+        try:
+            torch._C._cuda_endAllocateToPool(  # type: ignore[attr-defined]
+                torch.cuda.current_device(), pool
+            )
+        except RuntimeError:
+            pass  # this torch ended it before the check that raised: nothing to undo
     try:
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)
