@@ -14,11 +14,16 @@ How it fits the pipeline:
   slot at its forward and gives it back after its backward. Slots share nothing, so they may
   replay in any order; the price is one pool per slot (each holds its micro-batch's
   activations, as eager training does, plus its graph's temporaries).
+- **What each slot owns.** Its own copies of the sample inputs as the graph's static inputs:
+  a replay copies its micro-batch into them and the backward graph reads them (a Linear's
+  input, the loss's target), so shared ones would backpropagate a micro-batch with the inputs
+  of the one replayed after it.
 - **When.** The first step with a new signature runs eagerly and keeps one micro-batch as the
   sample; after that step, with no stage at work, every stage captures its pending signatures
-  (capture is process-wide: no other thread may use CUDA meanwhile). A new shape is captured
-  anew the same way, up to ``MAX_SIGNATURES`` per stage; beyond that ``True`` refuses and
-  ``"auto"`` runs the new shapes eagerly.
+  (capture is process-wide: no other thread may use CUDA meanwhile, and the garbage collector
+  is held: freeing another pipeline's graph, which only the collector frees, invalidates a
+  capture). A new shape is captured anew the same way, up to ``MAX_SIGNATURES`` per stage;
+  beyond that ``True`` refuses and ``"auto"`` runs the new shapes eagerly.
 - **Same numbers as eager.** The graphs read the live parameters and accumulate into their
   ``.grad`` in place (the stage keeps its gradients allocated), the outputs, the loss and the
   input gradients are copied out of the graph's buffers before the next replay can overwrite
@@ -32,12 +37,15 @@ How it fits the pipeline:
 stages, recomputation, asynchronous and split-backward schedules, memory tracking, deferred
 BatchNorm, module hooks; and at capture, a model that synchronises with the host (``.item()``,
 printing a tensor, data-dependent shapes). ``cuda_graphs="auto"`` runs those stages (or shapes)
-eagerly instead and logs why.
+eagerly instead and logs why; a failed capture takes the default CUDA generator back out of
+capture mode, so dropout keeps working eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -223,7 +231,8 @@ class StageGraphs:
         pending, self._pending = self._pending, {}
         for key, (sample, spec) in pending.items():
             try:
-                self._free[key] = [self._capture(sample, spec) for _ in range(self.slots)]
+                with _quiet_collector(self.device):
+                    self._free[key] = [self._capture(sample, spec) for _ in range(self.slots)]
                 logger.info("stage %d: captured %d CUDA graph pairs for %s", self.index,
                             self.slots, key)
             except Exception as error:  # the capture's own error, and what ended it
@@ -246,14 +255,74 @@ class StageGraphs:
 
     def _capture(self, sample: list[torch.Tensor], spec: _pytree.TreeSpec) -> _Capturable:
         """One forward/backward pair in a pool of its own, captured on a copy of the stage's
-        random stream and with the buffers put back afterwards."""
+        random stream and with the buffers put back afterwards. Its static inputs are its own
+        copies of ``sample``: a replay copies its micro-batch into them and the backward graph
+        reads them (a Linear's input, a loss's target), so slots sharing them would backpropagate
+        one micro-batch with another's inputs."""
         capturable = _Capturable(self.module, self._run, spec)
+        sample = [t.detach().clone().requires_grad_(t.requires_grad) for t in sample]
         buffers = [b.detach().clone() for b in self.module.buffers()]
-        with torch.cuda.device(self.device), self.rng.replay(self.rng.state):
-            graphed = torch.cuda.make_graphed_callables(
-                capturable, tuple(sample), num_warmup_iters=WARMUP, allow_unused_input=True
-            )
-        with torch.no_grad():
-            for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
+        pool = torch.cuda.graph_pool_handle()  # this slot's own: its replays may interleave
+        try:  # a failed capture puts the buffers back too (its warm-up ran eagerly)
+            with torch.cuda.device(self.device), self.rng.replay(self.rng.state):
+                graphed = torch.cuda.make_graphed_callables(
+                    capturable, tuple(sample), num_warmup_iters=WARMUP,
+                    allow_unused_input=True, pool=pool,
+                )
+        except Exception:
+            _clean_up_failed_capture(self.device, pool)
+            raise
+        finally:
+            with torch.no_grad():
+                for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
+                    buffer.copy_(saved)
         return graphed  # type: ignore[return-value]
+
+
+@contextmanager
+def _quiet_collector(device: torch.device) -> Iterator[None]:
+    """No garbage collection while capturing. make_graphed_callables leaves each graphed module
+    in a reference cycle (its forward is a closure over it), so graphs of a dropped pipeline are
+    freed by the cyclic collector, whenever it runs; freeing a graph during a capture is an
+    operation the capture forbids, and it invalidates the capture. Collect first, then hold."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    torch.cuda.synchronize(device)
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _clean_up_failed_capture(device: torch.device, pool: Any) -> None:
+    """Undo what a capture that failed (its end raised) left half done, so that eager work and
+    later captures in this process stay right:
+
+    - the caching allocator may still route the capture stream's allocations to ``pool``
+      (torch ends that after the check that raised): later captures on that stream, in other
+      pools, would then share its memory with each other, and one slot's replay could overwrite
+      another's saved activations;
+    - the device's default CUDA generator stays in capture mode (a capture puts it in at its
+      start and takes it out at its end): every random draw outside a capture (dropout in an
+      eager forward) then raises "Offset increment outside graph capture". A capture that
+      succeeds, with nothing in it, takes it out again."""
+    with torch.cuda.device(device):
+        try:
+            torch._C._cuda_endAllocateToPool(  # type: ignore[attr-defined]
+                torch.cuda.current_device(), pool
+            )
+        except RuntimeError:
+            pass  # this torch ended it before the check that raised: nothing to undo
+    try:
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch.zeros(1, device=device)
+            del graph
+    except Exception as error:  # dropout outside a capture then fails loudly, never silently
+        logger.warning("could not take %s's CUDA generator out of capture mode after a failed "
+                       "capture (%s: %s); random draws on it may fail", device,
+                       type(error).__name__, error)

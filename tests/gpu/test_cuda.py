@@ -68,7 +68,7 @@ def test_stages_on_cuda_match_single_process_training(schedule):
         mlp(), [4, 8], chunks=4, schedule=schedule, devices=devices, track_memory=True,
         loss_fn=nn.functional.cross_entropy, optimizer=sgd,
     )
-    losses = [pipe.train_step(x, y) for x, y in _on(data, "cuda:0")]
+    losses = [float(pipe.train_step(x, y)) for x, y in _on(data, "cuda:0")]
     expected_state, expected_losses = reference(mlp().cuda(), _on(data, "cuda:0"))
     _assert_state_matches(pipe.module.state_dict(), expected_state)
     assert losses == pytest.approx(expected_losses, abs=1e-6)
@@ -82,7 +82,7 @@ def _nccl_train(rank: int, world: int) -> dict:
         mlp(), [4, 8], chunks=4, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
         optimizer=sgd, timeout=60,
     )
-    losses = [pipe.train_step(x, y) for x, y in data]
+    losses = [float(pipe.train_step(x, y)) for x, y in data]  # 0-d device tensors
     state = {k: v.cpu() for k, v in pipe.module.state_dict().items()}
     return {"state": state, "losses": losses, "device": str(pipe.stages[0].device)}
 

@@ -56,7 +56,8 @@ def _train(model_name: str, balance, schedule: str, graphs, precision: str = "fp
         optimizer=_sgd, devices=["cuda:0"] * len(balance), cuda_graphs=graphs,
         precision=precision, clip_grad_norm=1.0 if precision == "bf16" else None,
     )
-    losses = [pipe.train_step(x, y) for x, y in (data or default)]
+    # train_step returns the loss as a 0-d device tensor: read it as a float for approx
+    losses = [float(pipe.train_step(x, y)) for x, y in (data or default)]
     state = {k: v.detach().float().cpu() for k, v in pipe.module.state_dict().items()}
     return pipe, state, losses
 

@@ -4,6 +4,9 @@ tested on a GPU in tests/gpu/test_cuda_graphs.py): each refusal names its reason
 
 from __future__ import annotations
 
+import gc
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -86,11 +89,11 @@ def test_slots_cover_the_micro_batches_in_flight(schedule, expected):
     assert [slots_needed(built, s) for s in range(stages)] == expected
 
 
-def _graphs(strict: bool) -> StageGraphs:
+def _graphs(strict: bool, slots: int = 1) -> StageGraphs:
     module = nn.Sequential(nn.Linear(3, 3))
     return StageGraphs(
         0, torch.device("cpu"), module, lambda value, target: module(value),
-        StageRng(0, torch.device("cpu")), slots=1, strict=strict,
+        StageRng(0, torch.device("cpu")), slots=slots, strict=strict,
     )
 
 
@@ -113,3 +116,33 @@ def test_too_many_shapes_are_refused_under_true():
         graphs.forward(0, torch.randn(width, 3), None)
     with pytest.raises(ValueError, match="pad the inputs to a few fixed shapes"):
         graphs.forward(0, torch.randn(MAX_SIGNATURES + 1, 3), None)
+
+
+def test_each_slot_captures_on_inputs_of_its_own(monkeypatch):
+    """Regression (GPipe on a GPU trained to other parameters than eager): every slot was
+    captured with the same sample tensors as make_graphed_callables' static inputs, into which
+    each replay copies its micro-batch and which the backward graph reads (a Linear's input, the
+    loss's target), so all but the last micro-batch in flight backpropagated another one's
+    inputs. Checked on the CPU by recording what each capture is given (torch's own capture
+    needs CUDA; tests/gpu/test_cuda_graphs.py checks the trained parameters); also that the
+    garbage collector is held during captures and running again after."""
+    captures = []
+
+    def record(capturable, sample, **options):
+        captures.append((sample, options.get("pool"), gc.isenabled()))
+        return capturable
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", record)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, len(captures)))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graphs = _graphs(True, slots=3)
+    x = torch.randn(2, 3)
+    graphs.forward(0, x, None)  # eager: its shape is noted
+    graphs.capture_pending()
+    assert graphs.captured == 1 and len(captures) == 3
+    inputs = [sample[0] for sample, _, _ in captures]
+    assert len({t.data_ptr() for t in inputs}) == 3, "slots share their static inputs"
+    assert all(torch.equal(t, x) for t in inputs)
+    assert len({pool for _, pool, _ in captures}) == 3, "each slot has a memory pool of its own"
+    assert not any(collecting for _, _, collecting in captures) and gc.isenabled()
