@@ -310,7 +310,7 @@ def _clean_up_failed_capture(device: torch.device, pool: Any) -> None:
       succeeds, with nothing in it, takes it out again."""
     with torch.cuda.device(device):
         try:
-            torch._C._cuda_endAllocateToPool(  # type: ignore[attr-defined]
+            torch._C._cuda_endAllocateToPool(
                 torch.cuda.current_device(), pool
             )
         except RuntimeError:
