@@ -51,6 +51,14 @@ class StepLoss(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return format(self.item(), spec)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved (torch.save, pickle) as the plain tensor it holds, so that a file of losses
+        loads anywhere, ``torch.load(weights_only=True)`` included."""
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepLoss:
+        return step_loss(self.clone())
+
     @property
     def imag(self) -> float:  # type: ignore[override]
         """A real number's imaginary part, as ``numbers.Real`` has it."""
