@@ -153,6 +153,7 @@ def saved_step(folder: Path) -> int:
 RESUMABLE = ["--steps", "16", "--checkpoint-every", "4", "--no-sample"]
 
 
+@pytest.mark.slow  # ~20 s of torchrun; by default the README resume block and test_resume.py
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
 def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
     """As the README tells users: torchrun --max-restarts=1, then kill -9 of rank 1 once a
