@@ -410,3 +410,41 @@ def _restore_stage(
         param_groups.append({**_hyper(saved or group), "params": group["params"]})
     state = {i: optimizer_state[n] for i, n in enumerate(order) if n in optimizer_state}
     stage.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+class Checkpoints:
+    """What a pipeline knows of its own checkpoints: the step and checkpoint it last saved or
+    loaded (saving that step again in the same folder returns it), and the checkpoints saved
+    after the one it resumed from (kept from pruning)."""
+
+    def __init__(self) -> None:
+        self.protected: frozenset[str] = frozenset()
+        self.last: tuple[int, Path] | None = None
+
+    def save(
+        self, folder: str | os.PathLike[str], step: int, stages: Sequence[Stage],
+        barrier: Callable[[], None], coordinator: bool, num_stages: int,
+        scaler: LossScaler | None,
+    ) -> Path:
+        """:func:`save`, unless this pipeline's checkpoint of ``step`` is in ``folder`` and
+        still complete (the same answer on every rank)."""
+        if self.last is not None:
+            saved, path = self.last
+            same = saved == step and path.parent.resolve() == Path(folder).resolve()
+            if same and (path / "manifest.json").is_file():
+                return path
+        path = save(folder, step, stages, barrier, coordinator, num_stages, scaler, self.protected)
+        self.last = (step, path)
+        return path
+
+    def load(
+        self, folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None
+    ) -> int | None:
+        """:func:`load`; the step restored, or None when there is no checkpoint yet."""
+        resumed = load(folder, stages, scaler)
+        if resumed is None:
+            return None
+        step, path = resumed
+        self.protected = saved_after(path)
+        self.last = (step, path)
+        return step

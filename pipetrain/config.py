@@ -1,7 +1,10 @@
 """Pipeline's options resolved once: a plan's choices merged with the caller's, defaults filled
 in, every combination the runtime cannot run refused with the fix. ``Pipeline`` builds one
 ``PipelineConfig`` first and then only reads it; where the stages run (devices, process group,
-replicas) is not part of it.
+replicas) is not part of it. Each option is checked and defaulted here and nowhere else (a
+schedule's own defaults are its entry in schedules/registry.py), and turned into the numbers
+the parts use: a stage gets where its recomputation stops, its loss divisor and its autocast
+dtype, not the options to derive them from.
 """
 
 from __future__ import annotations
@@ -12,15 +15,28 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from partitioner import Plan
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.cuda_graphs import check_mode
 from pipetrain.planning import load_plan
+from pipetrain.precision import autocast_dtype
 from pipetrain.progress import Progress, progress_option
-from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, checkpoint_stop
-from pipetrain.update import check_nonfinite, check_options
+from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory
 from schedules import lookup, names
+from schedules.registry import RECOMPUTE_MODES
+
+NONFINITE = ("skip", "raise")
+
+
+def recompute_below(mode: str, microbatches: int) -> int:
+    """Micro-batches numbered below this recompute their forward in the backward under
+    checkpoint ``mode`` (torchgpipe's modes), with ``microbatches`` per mini-batch."""
+    stops = {"never": 0, "except_last": microbatches - 1, "always": microbatches}
+    if mode not in stops:
+        raise ValueError(f"checkpoint must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    return stops[mode]
 
 
 def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -44,8 +60,8 @@ def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class PipelineConfig:
     """What Pipeline trains with (see Pipeline for each option). Build it with ``resolve``,
-    which checks it; ``autocast_dtype`` and ``compensation`` are ``precision`` and
-    ``delay_compensation`` parsed, ``trace`` falls back on PIPETRAIN_TRACE."""
+    which checks it; ``autocast_dtype``, ``loss_scaling`` and ``compensation`` are
+    ``precision`` and ``delay_compensation`` parsed, ``trace`` falls back on PIPETRAIN_TRACE."""
 
     balance: tuple[int, ...]
     chunks: int
@@ -57,6 +73,7 @@ class PipelineConfig:
     lr_scheduler: SchedulerFactory | None
     precision: str
     autocast_dtype: torch.dtype | None
+    loss_scaling: bool  # fp16's dynamic loss scale (pipetrain/precision.py)
     clip_grad_norm: float | None
     nonfinite: str
     weight_stashing: bool
@@ -75,6 +92,17 @@ class PipelineConfig:
     def stage_checkpoint(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
         return self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[stage]
+
+    def recompute_below(self, stage: int) -> int:
+        """Where ``stage``'s recomputation stops: its training micro-batches numbered below
+        this keep only their inputs and recompute their forward in the backward."""
+        return recompute_below(self.stage_checkpoint(stage), self.chunks)
+
+    @property
+    def loss_divisor(self) -> int:
+        """The micro-batches of one update, whose mean loss each backward's gradients are
+        of: every micro-batch is an update of its own under PipeDream, else the mini-batch."""
+        return 1 if lookup(self.schedule).update_per_microbatch else self.chunks
 
     @property
     def asynchronous(self) -> bool:
@@ -166,17 +194,18 @@ class PipelineConfig:
         modes = _checkpoint_modes(
             checkpoint or ("never" if graphs else spec.checkpoint), len(balance)
         )
-        dtype = check_options(
+        dtype = _check_step_options(
             optimizer, lr_scheduler, precision, clip_grad_norm, schedule, spec.asynchronous
         )
         _check_loss_fn(loss_fn)
-        check_nonfinite(nonfinite)
+        _check_nonfinite(nonfinite)
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
         return cls(
             balance=tuple(check_balance(model, balance)), chunks=chunks, schedule=schedule,
             checkpoint=modes, timeout=timeout, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, precision=precision, autocast_dtype=dtype,
+            loss_scaling=dtype is torch.float16,
             clip_grad_norm=clip_grad_norm, nonfinite=nonfinite, weight_stashing=weight_stashing,
             weight_prediction=weight_prediction, compensation=compensation,
             deferred_batch_norm=deferred_batch_norm, track_memory=track_memory,
@@ -191,7 +220,7 @@ class PipelineConfig:
 def _checkpoint_modes(checkpoint: str | Sequence[str], stages: int) -> str | tuple[str, ...]:
     """``checkpoint`` checked: one mode, or one per stage (a tuple unless they are all one)."""
     if isinstance(checkpoint, str):
-        checkpoint_stop(checkpoint, 1)
+        recompute_below(checkpoint, 1)
         return checkpoint
     modes = tuple(checkpoint)
     if len(modes) != stages:
@@ -200,7 +229,7 @@ def _checkpoint_modes(checkpoint: str | Sequence[str], stages: int) -> str | tup
             "or one string for all"
         )
     for mode in modes:
-        checkpoint_stop(mode, 1)
+        recompute_below(mode, 1)
     return modes[0] if len(set(modes)) == 1 else modes
 
 
@@ -256,4 +285,59 @@ def _check_asynchronous_options(
             "weight_stashing, weight_prediction and delay_compensation apply to the "
             f"asynchronous schedules {' and '.join(map(repr, names(asynchronous=True)))}, not "
             f"to {schedule!r}"
+        )
+
+
+def _check_step_options(
+    optimizer: object, lr_scheduler: object, precision: str, max_norm: float | None,
+    schedule: str, asynchronous: bool,
+) -> torch.dtype | None:
+    """Refuse what the optimizer step cannot do (pipetrain/update.py), naming the
+    alternative; return the autocast dtype of ``precision``."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer is an optimizer instance, but each stage builds its own from its "
+            "parameters: pass a factory: optimizer=lambda params: torch.optim.SGD(params, ...)"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(
+            f"optimizer must be a factory of the stage's parameters, got "
+            f"{type(optimizer).__name__}: optimizer=lambda params: torch.optim.SGD(params, ...)"
+        )
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler | ReduceLROnPlateau) or (
+        lr_scheduler is not None and not callable(lr_scheduler)
+    ):
+        raise TypeError(
+            "lr_scheduler must be a factory of each stage's optimizer, got "
+            f"{type(lr_scheduler).__name__}: pass lr_scheduler=lambda optimizer: "
+            "torch.optim.lr_scheduler.LambdaLR(optimizer, ...)"
+        )
+    if lr_scheduler is not None and optimizer is None:
+        raise ValueError("lr_scheduler schedules the optimizer's learning rate: pass optimizer=")
+    dtype = autocast_dtype(precision)
+    if max_norm is not None and (
+        isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0
+    ):
+        raise ValueError(f"clip_grad_norm must be a positive number or None, got {max_norm!r}")
+    if asynchronous and precision == "fp16":
+        raise ValueError(
+            f"precision='fp16' needs every stage to skip the same update on an overflow, but "
+            f"schedule {schedule!r} updates each stage at its own time: use precision='bf16' "
+            "(no loss scaling), or a synchronous schedule such as '1f1b' with fp16"
+        )
+    if asynchronous and max_norm is not None:
+        raise ValueError(
+            f"clip_grad_norm needs the whole model's gradients of one update, but schedule "
+            f"{schedule!r} updates each stage at its own time: use a synchronous schedule "
+            "such as '1f1b' or 'interleaved' to clip, or drop clip_grad_norm"
+        )
+    return dtype
+
+
+def _check_nonfinite(mode: object) -> None:
+    """Refuse an unknown ``nonfinite`` mode, naming the choices."""
+    if mode not in NONFINITE:
+        raise ValueError(
+            f"nonfinite must be 'skip' (skip a step whose loss or gradients are not finite, "
+            f"with a warning) or 'raise' (stop with NonFiniteError), got {mode!r}"
         )

@@ -22,9 +22,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from pipetrain.assembly import split
 from pipetrain.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.data_parallel import tied_parameters
-from pipetrain.pipeline import split
 from pipetrain.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
 from pipetrain.weights import stage_versions
 from schedules import build, lookup
@@ -92,7 +92,7 @@ class DelayedPipeline:
             Stage(
                 module=module, index=s, count=len(parts), offset=offset,
                 device=torch.device("cpu"), optimizer=optimizer, loss_fn=loss_fn,
-                checkpoint="never", loss_divisor=1, lr_scheduler=lr_scheduler,
+                loss_divisor=1, lr_scheduler=lr_scheduler,
                 weight_versions=partial(
                     stage_versions, lag=lag, update_every=1, weight_stashing=weight_stashing,
                     weight_prediction=weight_prediction, compensation=compensation,
@@ -160,7 +160,7 @@ class DelayedPipeline:
         x, y = self._units[unit]
         inputs = self._acts[s].pop(unit) if s else ()
         value: object = x if not s else inputs[0] if len(inputs) == 1 else inputs
-        output = stage.forward(unit, inputs, value, y if stage.is_last else None, 1)
+        output = stage.forward(unit, inputs, value, y if stage.is_last else None)
         if stage.is_last:
             self.losses.append(float(stage.losses.pop(unit)))
             return

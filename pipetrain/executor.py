@@ -106,28 +106,27 @@ class Executor:
         base: int = 0,
         carry: Carry | None = None,
         losses_done: Callable[[], None] | None = None,
+        loss_scale: float | torch.Tensor = 1.0,
     ):
         """``base`` serves asynchronous schedules, whose micro-batches outlive a call: the
         stages know micro-batch i of this list as ``base + i`` (a global number). ``carry`` (the
         same :class:`Carry` on every call of this rank) keeps what outlives a call.
         ``losses_done`` is called the moment the last stage's last forward of the list ends:
-        every loss of the mini-batch is known then, before the backwards that follow."""
+        every loss of the mini-batch is known then, before the backwards that follow.
+        ``loss_scale`` is what the last stage's backward starts from (fp16's, else 1)."""
         self.stages = {stage.index: stage for stage in stages}
         self.base, self.carry = base, carry if carry is not None else Carry()
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.training, self.recorder = timeout, training, recorder
         self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
-        self.losses_done = losses_done
+        self.losses_done, self.loss_scale = losses_done, loss_scale
         last_forwards = [
             i for i, a in enumerate(self.actions)
             if a.kind is Kind.FORWARD and self.stages[a.stage].is_last
         ]
         self._losses_at = last_forwards[-1] if last_forwards else -1
-        self.chunks = 1 + max((a.microbatch for a in self.actions), default=0)
         self._cycle = schedule.microbatches + schedule.stages  # asynchronous: see _tag
-        if schedule.asynchronous:
-            self.chunks = schedule.microbatches
         self.tags = TagLayout(
             schedule.stages, self._cycle if schedule.asynchronous else schedule.microbatches
         )
@@ -332,7 +331,7 @@ class Executor:
                 raise ValueError("the last stage needs the target: pass y to train_step")
             target = self._targets[i]
         key = self.base + i
-        output = stage.forward(key, inputs, value, target, self.chunks, self.training)
+        output = stage.forward(key, inputs, value, target, self.training)
         if stage.is_last:
             if not self.training:
                 self._outputs.append(output)
@@ -368,7 +367,7 @@ class Executor:
         grads: list[torch.Tensor] = []
         if not stage.is_last:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
-        input_grads = stage.backward(self.base + i, grads)
+        input_grads = stage.backward(self.base + i, grads, self.loss_scale)
         self.carry.in_flight.pop((action.stage, self.base + i), None)
         if stage.is_first:
             return []
@@ -378,6 +377,8 @@ class Executor:
         self.stages[action.stage].backward_weights(action.microbatch)
 
     def _do_step(self, action: Action) -> None:
+        """An asynchronous stage steps here; a synchronous one gets its gradients ready, and
+        pipetrain/update.py steps it after the list (whether to step depends on every stage)."""
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
             self.stages[action.stage].step()
             return
@@ -385,7 +386,7 @@ class Executor:
         stage = self.stages[action.stage]
         for sync in stage.syncs:
             sync.finish()
-        stage.step()
+        stage.check_backpropagated()
 
     # -- sends ------------------------------------------------------------------------------
 

@@ -56,3 +56,17 @@ def to_device(value: Batch, device: torch.device) -> Batch:
     if isinstance(value, tuple | list):
         return tuple(t.to(device) for t in value)
     return value.to(device)
+
+
+def check_batches(x: object, y: object) -> None:
+    """The caller's batches of a step, before any work: each a Tensor or a tuple of Tensors
+    (or None on ranks that do not read it), x and y of one batch size."""
+    sizes = {
+        what: batch_size(value, what)  # type: ignore[arg-type]
+        for what, value in (("x", x), ("y", y))
+        if value is not None
+    }
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"x has batch size {sizes['x']} but y has {sizes['y']}; pass matching batches"
+        )

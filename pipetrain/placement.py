@@ -1,9 +1,10 @@
-"""Where this process sits: which stage of which replica, and the process groups it talks in.
+"""Where this process sits: which pipeline ranks it runs, of which replica, and, under torchrun,
+the process groups it talks in.
 
-The world is ``stages x replicas`` ranks, replica-major: replica k's stage s is rank
-``k * stages + s``. So consecutive ranks form one pipeline (with one node per replica, stage
-messages stay inside a node and only the gradient all-reduce crosses nodes). Every rank creates
-every group, in the same order, as torch.distributed requires.
+The world is ``ranks x replicas`` processes, replica-major: replica k's pipeline rank r is
+global rank ``k * ranks + r``. So consecutive ranks form one pipeline (with one node per
+replica, stage messages stay inside a node and only the gradient all-reduce crosses nodes).
+Every rank creates every group, in the same order, as torch.distributed requires.
 """
 
 from __future__ import annotations
@@ -15,64 +16,73 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
-    stage: int
-    replica: int
-    replicas: int
-    pipeline_ranks: list[int]  # global rank of each stage of this replica
-    pipeline_group: dist.ProcessGroup  # this replica's stages: activations and gradients
-    replica_group: dist.ProcessGroup | None  # this stage in every replica: gradient all-reduce
-    tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    """The pipeline ranks this process runs (all of them when every rank is a thread here, one
+    under torchrun) and the replica they belong to."""
+
+    ranks: tuple[int, ...]
+    replica: int = 0
+    replicas: int = 1
 
     @property
     def is_coordinator(self) -> bool:
-        """The first rank of the first replica: writes checkpoints, prints progress."""
-        return self.replica == 0 and self.stage == 0
+        """Whether this process runs the first rank of the first replica: it writes
+        checkpoints and prints progress."""
+        return self.replica == 0 and 0 in self.ranks
+
+
+@dataclass
+class Groups:
+    """The process groups of one torchrun rank."""
+
+    global_ranks: list[int]  # the global rank of each pipeline rank of this replica
+    pipeline: dist.ProcessGroup  # this replica's ranks: activations and gradients
+    replicas: dist.ProcessGroup | None  # this rank in every replica: gradient all-reduce
+    ties: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)  # by rank set
 
 
 def join(
     group: dist.ProcessGroup | None,
-    stages: int,
+    ranks: int,
     replicas: int | None,
-    tied_stage_sets: Sequence[tuple[int, ...]],
+    tied_rank_sets: Sequence[tuple[int, ...]],
     timeout: float,
-) -> Placement:
-    """Place this process and build the groups; clear errors for a world of the wrong size."""
+) -> tuple[Placement, Groups]:
+    """Place this process among ``ranks`` pipeline ranks per replica and build the groups
+    (one per set of ranks sharing a weight too); clear errors for a world of the wrong size."""
     if not dist.is_initialized():
         raise RuntimeError(
             "no process group: call pipetrain.init_distributed() under torchrun, or pass "
             "devices=[...] to run every stage in this process"
         )
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    world = len(ranks)
+    members = dist.get_process_group_ranks(group or dist.group.WORLD)
+    world = len(members)
     if replicas is None:
-        replicas = max(world // stages, 1)
-    if world != stages * replicas:
-        hint = f"--nproc_per_node={stages}" + (f" (x{replicas} replicas)" if replicas > 1 else "")
+        replicas = max(world // ranks, 1)
+    if world != ranks * replicas:
+        hint = f"--nproc_per_node={ranks}" + (f" (x{replicas} replicas)" if replicas > 1 else "")
         raise ValueError(
-            f"world size {world} does not match the {stages} stages of balance"
+            f"world size {world} does not match the {ranks} stages of balance"
             + (f" x {replicas} replicas" if replicas > 1 else "")
-            + f"; launch {stages * replicas} processes, e.g. `torchrun {hint}`, or give balance "
+            + f"; launch {ranks * replicas} processes, e.g. `torchrun {hint}`, or give balance "
             f"{world} entries"
         )
-    me = ranks.index(dist.get_rank())
+    me = members.index(dist.get_rank())
     span = timedelta(seconds=timeout)
-    pipelines = [dist.new_group(ranks[k * stages : (k + 1) * stages], timeout=span)
+    pipelines = [dist.new_group(members[k * ranks : (k + 1) * ranks], timeout=span)
                  for k in range(replicas)]
-    columns = [dist.new_group(ranks[s::stages], timeout=span) for s in range(stages)] \
+    columns = [dist.new_group(members[r::ranks], timeout=span) for r in range(ranks)] \
         if replicas > 1 else []
     ties = {}
-    for stage_set in sorted(set(tied_stage_sets)):
-        members = sorted(ranks[k * stages + s] for k in range(replicas) for s in stage_set)
-        ties[stage_set] = dist.new_group(members, timeout=span)
-    replica, stage = divmod(me, stages)
-    return Placement(
-        stage=stage,
-        replica=replica,
-        replicas=replicas,
-        pipeline_ranks=ranks[replica * stages : (replica + 1) * stages],
-        pipeline_group=pipelines[replica],
-        replica_group=columns[stage] if columns else None,
-        tie_groups={s: g for s, g in ties.items() if stage in s},
+    for rank_set in sorted(set(tied_rank_sets)):
+        users = sorted(members[k * ranks + r] for k in range(replicas) for r in rank_set)
+        ties[rank_set] = dist.new_group(users, timeout=span)
+    replica, rank = divmod(me, ranks)
+    groups = Groups(
+        global_ranks=members[replica * ranks : (replica + 1) * ranks],
+        pipeline=pipelines[replica],
+        replicas=columns[rank] if columns else None,
+        ties={s: g for s, g in ties.items() if rank in s},
     )
+    return Placement((rank,), replica, replicas), groups

@@ -27,23 +27,12 @@ from pipetrain.precision import autocast, to_boundary
 from pipetrain.rng import StageRng, State, draw_seeds
 from pipetrain.stage_module import Cuts, LayerRun, StageModule
 from pipetrain.weights import WeightVersions
-from schedules.registry import RECOMPUTE_MODES
-
-CHECKPOINT_MODES = RECOMPUTE_MODES  # a schedule's default is its registry entry's
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 # an asynchronous stage's weight versions, from its trained weights and optimizer
 VersionsFactory = Callable[[list[nn.Parameter], torch.optim.Optimizer | None], WeightVersions]
-
-
-def checkpoint_stop(mode: str, chunks: int) -> int:
-    """Micro-batches with index below this are recomputed in backward (torchgpipe's modes)."""
-    stops = {"never": 0, "except_last": chunks - 1, "always": chunks}
-    if mode not in stops:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {mode!r}")
-    return stops[mode]
 
 
 def build_optimizer(
@@ -102,8 +91,8 @@ class Stage:
         device: torch.device,
         optimizer: OptimizerFactory | None,
         loss_fn: LossFn | None,
-        checkpoint: str,
         *,
+        recompute_below: int = 0,
         track_memory: bool = False,
         owned_elsewhere: frozenset[int] = frozenset(),
         split_backward: bool = False,
@@ -112,34 +101,30 @@ class Stage:
         seed: int | None = None,
         syncs: Sequence[GradientSync] = (),
         weight_versions: VersionsFactory | None = None,
-        loss_divisor: int | None = None,
+        loss_divisor: int = 1,
     ):
-        """``seed`` starts the stage's random stream (pipetrain/rng.py); by default one drawn
-        from the global generator. ``syncs`` all-reduce gradients before each optimizer step
-        (their parameters must already be on ``device``). ``weight_versions`` makes the stage
-        asynchronous (pipetrain/weights.py), its losses divided by ``loss_divisor`` (default:
-        the micro-batch count; 1 when every micro-batch is an update of its own, as in
-        PipeDream)."""
+        """Training micro-batches numbered below ``recompute_below`` keep only their inputs
+        and recompute their forward in the backward (pipetrain/config.py derives it from the
+        checkpoint mode). On the last stage the backward starts from the loss scale over
+        ``loss_divisor`` (the micro-batches of one update), so the gradients are those of the
+        mean loss. ``autocast_dtype`` is the stage's mixed precision (None: fp32). ``seed``
+        starts the stage's random stream (pipetrain/rng.py); by default one drawn from the
+        global generator. ``syncs`` all-reduce gradients before each optimizer step (their
+        parameters must already be on ``device``). ``weight_versions`` makes the stage
+        asynchronous (pipetrain/weights.py)."""
         self.module = StageModule.of(module).to(device)  # hooks on it run (stage_module.py)
         self._at = LayerRun()  # the layer at work, named if it fails
         self.rng = StageRng(draw_seeds(1)[0] if seed is None else seed, device)
         self.index, self.count, self.offset = index, count, offset
         self.device = device
         self.loss_fn = loss_fn
-        self.checkpoint = checkpoint
-        checkpoint_stop(checkpoint, 1)  # reject an unknown mode now, not at the first step
+        self.recompute_below = recompute_below
         # A weight tied to a layer of another stage in this process is stepped by that stage.
         params = [
             p for p in self.module.parameters() if p.requires_grad and id(p) not in owned_elsewhere
         ]
         self.optimizer, self.scheduler = build_optimizer(params, optimizer, lr_scheduler)
-        # Mixed precision (pipetrain/precision.py): the autocast dtype (None: fp32), the loss
-        # scale the last stage's backward starts from, and whether the optimizer step waits
-        # for pipetrain/update.py (global clipping, fp16's agreed overflow check).
-        self.autocast_dtype = autocast_dtype
-        self.loss_scale: float | torch.Tensor = 1.0
-        self._divisor = 1  # the last forward's loss divisor (micro-batches, or loss_divisor)
-        self.defer_update = False
+        self.autocast_dtype = autocast_dtype  # mixed precision (pipetrain/precision.py)
         self.syncs = list(syncs)  # gradient all-reduces before each optimizer step
         self.ledger = ActivationLedger.for_parameters(params) if track_memory else None
         self._stash: dict[int, _Stashed] = {}
@@ -224,7 +209,6 @@ class Stage:
         inputs: tuple[torch.Tensor, ...],
         value: object,
         target: object = None,
-        chunks: int = 1,
         training: bool = True,
     ) -> object:
         """Run the slice on ``value`` (built from ``inputs``); return its output. In training,
@@ -235,12 +219,10 @@ class Stage:
             with self._reporting(self._forward_step, microbatch), torch.no_grad():
                 return self._run_and_score(value, None, score=False)
         with self._reporting(self._forward_step, microbatch), self.rng.forward() as start:
-            output, cuts = self._train_forward(microbatch, inputs, value, target, chunks, start)
+            output, cuts = self._train_forward(microbatch, inputs, value, target, start)
         if self.is_last:
             loss = cast(torch.Tensor, output)
             self.losses[microbatch] = loss.detach()
-            # the backward starts from 1/divisor (see _output_grads): no division in the graph
-            self._divisor = self.loss_divisor or chunks
             saved: tuple[torch.Tensor, ...] = (loss,)
         else:
             saved = output if isinstance(output, tuple) else (output,)
@@ -255,14 +237,13 @@ class Stage:
         inputs: tuple[torch.Tensor, ...],
         value: object,
         target: object,
-        chunks: int,
         start: State,
     ) -> tuple[object, Cuts | None]:
         """A training forward's output and, for a split backward, its layers' cuts. ``start``
         is the random stream's state at its start, which a recomputation replays."""
         # On the last stage the loss is part of the (possibly recomputed) work, so a
         # checkpointed micro-batch keeps nothing but its inputs.
-        recomputed = microbatch < checkpoint_stop(self.checkpoint, chunks)
+        recomputed = microbatch < self.recompute_below
         cuts = None
         if self.split_backward and not recomputed and self._layer_weights is not None:
             cuts = Cuts(self._layer_weights)
@@ -315,7 +296,8 @@ class Stage:
         return loss
 
     def _output_grads(
-        self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor], microbatch: int
+        self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor], microbatch: int,
+        loss_scale: float | torch.Tensor,
     ) -> Sequence[torch.Tensor]:
         """The gradients to start the backward of ``outputs`` from: on the last stage the loss
         scale over the loss divisor (the mean over micro-batches, without a division in each
@@ -323,10 +305,10 @@ class Stage:
         if self.is_last:
             if not outputs:
                 return []
-            scale = self.loss_scale  # a device tensor under fp16 (pipetrain/precision.py)
-            if isinstance(scale, torch.Tensor):
-                return [(scale / self._divisor).to(outputs[0].dtype).expand_as(outputs[0])]
-            return [torch.full_like(outputs[0], scale / self._divisor)]
+            if isinstance(loss_scale, torch.Tensor):  # fp16's, on the device (precision.py)
+                scaled = loss_scale / self.loss_divisor
+                return [scaled.to(outputs[0].dtype).expand_as(outputs[0])]
+            return [torch.full_like(outputs[0], loss_scale / self.loss_divisor)]
         if len(grads) != len(outputs):
             raise StageError(
                 f"stage {self.index}: received {len(grads)} gradients for micro-batch "
@@ -334,15 +316,19 @@ class Stage:
             )
         return grads
 
-    def backward(self, microbatch: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Backpropagate micro-batch ``microbatch`` from its output gradients; return the
-        gradients of the inputs that the previous stage asked for. Under ``split_backward``
-        only those: the weight gradients wait for ``backward_weights``."""
+    def backward(
+        self, microbatch: int, grads: Sequence[torch.Tensor],
+        loss_scale: float | torch.Tensor = 1.0,
+    ) -> list[torch.Tensor]:
+        """Backpropagate micro-batch ``microbatch`` from its output gradients (on the last
+        stage, from ``loss_scale``: fp16's); return the gradients of the inputs that the
+        previous stage asked for. Under ``split_backward`` only those: the weight gradients
+        wait for ``backward_weights``."""
         stashed = self._stash.pop(microbatch)
         if self.versions is not None:
-            return self._versioned_backward(microbatch, stashed, grads)
+            return self._versioned_backward(microbatch, stashed, grads, loss_scale)
         outputs = [t for t in stashed.outputs if t.requires_grad]
-        grads = self._output_grads(outputs, grads, microbatch)
+        grads = self._output_grads(outputs, grads, microbatch, loss_scale)
         wanted = [x for x in stashed.inputs if x.requires_grad]
         with self._reporting("backward", microbatch):
             if not self.split_backward:
@@ -362,7 +348,8 @@ class Stage:
         ]
 
     def _versioned_backward(
-        self, microbatch: int, stashed: _Stashed, grads: Sequence[torch.Tensor]
+        self, microbatch: int, stashed: _Stashed, grads: Sequence[torch.Tensor],
+        loss_scale: float | torch.Tensor,
     ) -> list[torch.Tensor]:
         """Backward of an asynchronous stage: through the weights the forward read (or, with
         "stale" versions, a recomputed forward on the live weights); the weight gradients are
@@ -381,7 +368,7 @@ class Stage:
                     out = self._functional(None if live else weights, target)(value)
                 outputs_all = out if isinstance(out, tuple) else (out,)
             outputs = [t for t in outputs_all if t.requires_grad]
-            grads = self._output_grads(outputs, grads, microbatch)
+            grads = self._output_grads(outputs, grads, microbatch, loss_scale)
             # backward() accumulates into .grad in place: into the live parameters' when the
             # forward read them; else into the copies', which share the live .grad tensors
             # (allocated by the first backward after an update, then moved over below)
@@ -451,28 +438,31 @@ class Stage:
         else:
             self.module.zero_grad(set_to_none=not keep)
 
-    def step(self) -> None:
-        if self.versions is not None:  # asynchronous: micro-batches stay in flight
-            if self.optimizer is not None:
-                self.update()
-                self.optimizer.zero_grad(set_to_none=True)
-            self.versions.stepped()
-            return
+    def check_backpropagated(self) -> None:
+        """Refuse an optimizer step of a synchronous stage while micro-batches still wait for
+        their backward (or W): the schedule is incomplete."""
         if self._stash or self._weight_work:
             pending = sorted({*self._stash, *self._weight_work})
             raise StageError(
                 f"stage {self.index}: optimizer step with micro-batches {pending} "
                 "not yet backpropagated; the schedule is incomplete"
             )
-        if not self.defer_update:
-            self.update()
 
-    def update(self) -> None:
+    def step(self) -> None:
         """The optimizer step (through the delay compensation, if any), then the learning-rate
-        schedule's."""
+        schedule's; always steps. A synchronous stage is stepped after its whole list, by
+        pipetrain/update.py (which decides whether the step is skipped); an asynchronous one
+        by its list's step action, which then clears the gradients and starts its next weight
+        version (micro-batches stay in flight)."""
+        if self.versions is None:
+            self.check_backpropagated()
         if self.optimizer is not None:
             compensator = self.versions.compensator if self.versions is not None else None
             (compensator or self.optimizer).step()
             if self.scheduler is not None:
                 self.scheduler.step()
+        if self.versions is not None:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            self.versions.stepped()
 

@@ -1,7 +1,7 @@
 """The optimizer step that needs the whole model: agreement on skipping, clipping, fp16.
 
-Every synchronous schedule ends each stage's list with its optimizer step, and every stage
-defers it (``Stage.defer_update``) to :class:`Update`, which runs it after the list, because
+Every synchronous schedule ends each stage's list with its step action, where the executor only
+gets the stage's gradients ready; :class:`Update` calls ``Stage.step()`` after the list, because
 whether to step at all depends on every stage: a non-finite loss or gradient anywhere skips the
 step on every rank. Per step, on the device, without waiting for it where torch allows:
 
@@ -32,21 +32,23 @@ the skip happens on the device and the warning comes when the flags have reached
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from pipetrain.errors import NonFiniteError
-from pipetrain.precision import LossScaler, autocast_dtype
+from pipetrain.executor import Executor
+from pipetrain.precision import LossScaler
 from pipetrain.readback import HostCopy
+from pipetrain.runner import Runner
 from pipetrain.stage import Stage
+from schedules import Schedule
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank (identity in one process)
-NONFINITE = ("skip", "raise")
 
 
 def learning_rate(stages: Sequence[Stage]) -> float | torch.Tensor | None:
@@ -108,14 +110,25 @@ class Update:
             s.scheduler is not None or not skips_on_device(s.optimizer) for s in self.stages
         )
         self._unreported: list[tuple[int, HostCopy]] = []
-        for stage in self.stages:
-            stage.defer_update = True
 
-    def begin(self) -> None:
-        """Before the backward: the last stage starts it from the current loss scale."""
-        if self.scaler is not None:
-            for stage in self.stages:
-                stage.loss_scale = self.scaler.tensor.to(stage.device)
+    def loss_scale(self) -> float | torch.Tensor:
+        """What the last stage's backward starts from this step: fp16's current loss scale,
+        on the last stage's device (a tensor: no wait for the host), else 1."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.tensor.to(self.stages[-1].device)
+
+    def train(
+        self, runner: Runner, schedule: Schedule, x: object, y: object, step: int
+    ) -> tuple[torch.Tensor, dict[str, Any], float, list[Executor]]:
+        """Train step ``step`` (counted from 1): ``schedule``'s list, then the optimizer step.
+        Returns the loss, the step's metrics, its time and the executors that ran."""
+        for stage in self.stages:
+            stage.zero_grad()
+        start = time.perf_counter()  # zeroing the gradients is no part of the step
+        executors = runner.run(schedule, x, y, True, loss_scale=self.loss_scale())
+        value, stepped = self.run(step)
+        return value, stepped, time.perf_counter() - start, executors
 
     @torch.no_grad()
     def run(self, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -139,7 +152,7 @@ class Update:
                 self._complain(step, vector.tolist())
             else:
                 for stage in self.stages:
-                    stage.update()
+                    stage.step()
         else:
             found_inf = total.mul(0).nan_to_num(1.0).float()  # 1.0 for inf or NaN, else 0.0
             self._step_on_device(found_inf)
@@ -188,7 +201,7 @@ class Update:
                 continue
             optimizer.found_inf = found_inf.to(stage.device)  # type: ignore[attr-defined]
             try:
-                stage.update()
+                stage.step()
             finally:
                 optimizer.found_inf = None  # type: ignore[attr-defined]
 
@@ -217,57 +230,3 @@ class Update:
 
 def _finite(value: float) -> bool:
     return value - value == 0
-
-
-def check_options(
-    optimizer: object, lr_scheduler: object, precision: str, max_norm: float | None,
-    schedule: str, asynchronous: bool,
-) -> torch.dtype | None:
-    """Refuse what the step cannot do, naming the alternative; return the autocast dtype."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "optimizer is an optimizer instance, but each stage builds its own from its "
-            "parameters: pass a factory: optimizer=lambda params: torch.optim.SGD(params, ...)"
-        )
-    if optimizer is not None and not callable(optimizer):
-        raise TypeError(
-            f"optimizer must be a factory of the stage's parameters, got "
-            f"{type(optimizer).__name__}: optimizer=lambda params: torch.optim.SGD(params, ...)"
-        )
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler | ReduceLROnPlateau) or (
-        lr_scheduler is not None and not callable(lr_scheduler)
-    ):
-        raise TypeError(
-            "lr_scheduler must be a factory of each stage's optimizer, got "
-            f"{type(lr_scheduler).__name__}: pass lr_scheduler=lambda optimizer: "
-            "torch.optim.lr_scheduler.LambdaLR(optimizer, ...)"
-        )
-    if lr_scheduler is not None and optimizer is None:
-        raise ValueError("lr_scheduler schedules the optimizer's learning rate: pass optimizer=")
-    dtype = autocast_dtype(precision)
-    if max_norm is not None and (
-        isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0
-    ):
-        raise ValueError(f"clip_grad_norm must be a positive number or None, got {max_norm!r}")
-    if asynchronous and precision == "fp16":
-        raise ValueError(
-            f"precision='fp16' needs every stage to skip the same update on an overflow, but "
-            f"schedule {schedule!r} updates each stage at its own time: use precision='bf16' "
-            "(no loss scaling), or a synchronous schedule such as '1f1b' with fp16"
-        )
-    if asynchronous and max_norm is not None:
-        raise ValueError(
-            f"clip_grad_norm needs the whole model's gradients of one update, but schedule "
-            f"{schedule!r} updates each stage at its own time: use a synchronous schedule "
-            "such as '1f1b' or 'interleaved' to clip, or drop clip_grad_norm"
-        )
-    return dtype
-
-
-def check_nonfinite(mode: object) -> None:
-    """Refuse an unknown ``nonfinite`` mode, naming the choices."""
-    if mode not in NONFINITE:
-        raise ValueError(
-            f"nonfinite must be 'skip' (skip a step whose loss or gradients are not finite, "
-            f"with a warning) or 'raise' (stop with NonFiniteError), got {mode!r}"
-        )

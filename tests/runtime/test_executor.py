@@ -17,7 +17,7 @@ from tests.runtime.models import mlp, sgd
 
 def test_losses_done_fires_once_right_after_the_last_forward():
     cpu = torch.device("cpu")
-    stage = Stage(mlp(), 0, 1, 0, cpu, sgd, nn.functional.cross_entropy, "never")
+    stage = Stage(mlp(), 0, 1, 0, cpu, sgd, nn.functional.cross_entropy)
     schedule = build("gpipe", 1, 4)  # F0..F3, then B0..B3: four backwards behind the report
     recorder = Recorder(0, 0, schedule)
     seen: list[tuple[int, list]] = []
@@ -43,3 +43,21 @@ def test_every_action_kind_has_its_executor_method():
 
     assert set(HANDLERS) == set(Kind)
     assert all(getattr(Executor, h.__name__) is h for h in HANDLERS.values())
+
+
+def test_stage_step_steps_whatever_the_options():
+    """Stage.step() is the optimizer step even in a pipeline that clips (or runs fp16): the
+    Update calls it after the list, it is never switched off by a flag on the stage."""
+    import pipetrain
+
+    pipe = pipetrain.Pipeline(
+        mlp(), [6, len(mlp()) - 6], chunks=2, devices=["cpu", "cpu"], optimizer=sgd,
+        loss_fn=nn.functional.cross_entropy, clip_grad_norm=1.0,
+    )
+    stage = pipe.stages[0]
+    params = [p for p in stage.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    stage.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, params, strict=True))

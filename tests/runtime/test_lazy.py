@@ -140,3 +140,13 @@ def test_threads_tied_weight_is_one_tensor() -> None:
     embedding, head = pipe.stages[0].module[0], pipe.stages[1].module[-1]
     assert isinstance(head.project, nn.Linear)
     assert embedding.tokens.weight is head.project.weight
+
+
+def test_meta_tied_weight_on_one_rank_is_stepped_once() -> None:
+    """One torchrun rank holding both stages that share the tied embedding/head of a meta
+    model: the first of them steps the materialized weight, once per step, as in one process
+    (its ownership is decided on the tensors the stages hold, not on the meta ones)."""
+    initial, trained = reference()
+    results = values(run_ranks(_train_meta, 1, [4, 4], "interleaved", None, None, deadline=120))
+    assert_close(merged(results, 0), initial)
+    assert_close(merged(results, 1), trained)

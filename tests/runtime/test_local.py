@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain
+from pipetrain.config import recompute_below
 from tests.runtime.models import batches, mlp, reference, sgd
 from tests.runtime.test_distributed import BALANCES, CHECKPOINTS, CHUNKS, SCHEDULES, TOLERANCE
 
@@ -98,7 +99,7 @@ def test_checkpoint_default_follows_the_schedule():
             loss_fn=nn.functional.cross_entropy, optimizer=sgd, track_memory=True, **options,
         )
         pipe.train_step(x, y)
-        assert {s.checkpoint for s in pipe.stages} == {pipe.checkpoint}
+        assert {s.recompute_below for s in pipe.stages} == {recompute_below(pipe.checkpoint, 4)}
         return pipe.checkpoint, [s.ledger.peak_bytes for s in pipe.stages]
 
     gpipe = kept("gpipe")

@@ -122,7 +122,7 @@ def _train_from_plan(rank: int, world: int, path: str) -> dict:
     losses = [pipe.train_step(x, y) for x, y in data()]
     return {
         "state": pipe.module.state_dict(), "losses": losses, "balance": pipe.balance,
-        "checkpoint": pipe.stages[0].checkpoint,
+        "checkpoint": pipe.stages[0].recompute_below,
     }
 
 
@@ -151,7 +151,7 @@ def test_a_plan_recomputing_on_one_stage_trains_exactly(mixed_plan_path):
 
     pipe = pipeline()
     assert pipe.checkpoint == ("never", "always")
-    assert [s.checkpoint for s in pipe.stages] == ["never", "always"]
+    assert [s.recompute_below for s in pipe.stages] == [0, CHUNKS]  # "never", "always"
     losses = [pipe.train_step(x, y) for x, y in data()]
     expected_state, expected_losses = reference()
     assert_same_state(pipe.module.state_dict(), expected_state)
@@ -168,7 +168,7 @@ def test_a_plan_recomputing_on_one_stage_trains_exactly(mixed_plan_path):
 
 def test_a_plan_recomputing_on_one_stage_trains_exactly_in_processes(mixed_plan_path):
     per_rank = values(run_ranks(_train_from_plan, 2, str(mixed_plan_path), deadline=90))
-    assert [r["checkpoint"] for r in per_rank] == ["never", "always"]
+    assert [r["checkpoint"] for r in per_rank] == [0, CHUNKS]  # "never", "always"
     state = {**per_rank[0]["state"], **per_rank[1]["state"]}
     expected_state, expected_losses = reference()
     assert_same_state({k: state[k] for k in expected_state}, expected_state)
