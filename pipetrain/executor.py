@@ -24,7 +24,8 @@ too: when they changed, it first sends a stand-in of the old shapes to fill that
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -155,6 +156,35 @@ class Executor:
         self.compute_time = 0.0
         if self.recorder:
             self.recorder.begin_step()
+        with self._weight_casts():
+            self._run_actions()
+        return self._outputs
+
+    @contextmanager
+    def _weight_casts(self) -> Iterator[None]:
+        """Under autocast, cast each weight once per call rather than once per micro-batch:
+        autocast keeps its casts until the outermost autocast region ends, and holding its
+        nesting open across the call (without enabling autocast, so no backward runs under
+        it) keeps them for every forward of the call. The casts are bit-identical to fresh
+        ones and the weights do not change within a call (``_do_step`` drops the casts before
+        an update), so results are unchanged; one cast per weight is kept alive instead of
+        one per micro-batch in flight. Not with CUDA graphs (captured without the cache) or
+        weight versions (each micro-batch reads weights of its own)."""
+        hold = any(s.autocast_dtype is not None for s in self.stages.values()) and all(
+            s.graphs is None and s.versions is None for s in self.stages.values()
+        )
+        if not hold:
+            yield
+            return
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.clear_autocast_cache()  # even inside a caller's region: the update follows
+
+    def _run_actions(self) -> None:
+        """The loop of :meth:`run`: each action, its receives posted ahead, its sends after."""
         try:
             for position, action in enumerate(self.actions):
                 self._position = position
@@ -189,7 +219,6 @@ class Executor:
             reason = str(error) if isinstance(error, StageError) else repr(error)
             self.transport.abort(f"{self._where()} failed: {reason}")
             raise
-        return self._outputs
 
     def _check_peers(self, action: Action) -> None:
         """Stop before ``action`` if another stage has stopped (see Transport.raise_if_stopped)."""
@@ -380,6 +409,7 @@ class Executor:
         """An asynchronous stage steps here; a synchronous one gets its gradients ready, and
         pipetrain/update.py steps it after the list (whether to step depends on every stage)."""
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
+            torch.clear_autocast_cache()  # the weights change: no cast of them may outlive it
             self.stages[action.stage].step()
             return
         self._finish_sends()

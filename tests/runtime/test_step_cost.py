@@ -219,3 +219,46 @@ def test_no_per_parameter_operations_in_the_step():
         return sum(n for op, n in ops.items() if "norm" in op)
 
     assert norm_ops(4) == norm_ops(8) == 2  # one _foreach_norm per stage, nothing per weight
+
+
+# -- autocast: each weight cast once per step ---------------------------------------------------
+
+
+class CountWeightCasts(TorchDispatchMode):
+    """Counts, per parameter of ``params``, the casts (``aten._to_copy``) made of it."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ids = {id(p): n for n, p in enumerate(params)}
+        self.casts: collections.Counter[int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._to_copy and id(args[0]) in self.ids:
+            self.casts[self.ids[id(args[0])]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _weight_casts(rank: int, world: int) -> dict[str, int]:
+    """Per schedule: the most casts any weight of this rank's stage got in one bf16 step."""
+    most = {}
+    for schedule in ("1f1b", "gpipe"):
+        pipe = pipetrain.Pipeline(
+            tiny_gpt(), [2, 3], chunks=CHUNKS, schedule=schedule, precision="bf16",
+            loss_fn=lm_loss, optimizer=plain_sgd, timeout=60,
+        )
+        data = text_batches(2)
+        pipe.train_step(*data[0])
+        params = [p for s in pipe.stages for p in s.module.parameters()]
+        with CountWeightCasts(params) as counter:
+            pipe.train_step(*data[1])
+        assert counter.casts, "no weight was cast: the step did not run under autocast"
+        most[schedule] = max(counter.casts.values())
+    return most
+
+
+def test_bf16_casts_each_weight_once_per_step():
+    """Under bf16 autocast a stage casts each weight once per step, not once per micro-batch
+    (CHUNKS forwards): host work and kernel launches per micro-batch drop, and the casts are
+    bit-identical, so results do not change (the bf16 tests of test_training_options.py)."""
+    for most in values(run_ranks(_weight_casts, 2, deadline=120)):
+        assert most == {"1f1b": 1, "gpipe": 1}

@@ -217,6 +217,40 @@ def check_bf16(results: list[tuple[dict, list, set]]) -> None:
     assert all(computed == {torch.bfloat16} for _, _, computed in results)  # under autocast
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_bf16_matches_the_same_rounding_in_one_process(schedule):
+    """bf16 in two stage threads against one process that rounds where the pipeline does:
+    each micro-batch's forward in an autocast region of its own (its weights cast afresh),
+    stage 0's output cast to bf16 at the boundary. The pipeline casts each weight once per
+    step (kept across the micro-batches' forwards) and must still agree to 1e-6 max abs: the
+    casts are bit-identical and the gradient sums only reorder (measured ~2e-9); a lost
+    micro-batch or a wrong loss divisor moves parameters by far more (an update here is
+    ~1e-2)."""
+    from pipetrain.precision import to_boundary
+
+    reference, model = tiny_gpt(), tiny_gpt()
+    start = [p.detach().clone() for p in reference.parameters()]
+    pipe = pipetrain.Pipeline(
+        model, [2, 3], chunks=4, devices=["cpu", "cpu"], schedule=schedule, precision="bf16",
+        loss_fn=lm_loss, optimizer=bf16_sgd,
+    )
+    optimizer = bf16_sgd(reference.parameters())
+    for x, y in text_batches(STEPS):
+        pipe.train_step(x, y)
+        optimizer.zero_grad()
+        for xi, yi in zip(x.chunk(4), y.chunk(4), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                boundary = to_boundary(reference[:2](xi), torch.bfloat16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(reference[2:](boundary), yi)
+            (loss / 4).backward()
+        optimizer.step()
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
+    assert max((a - b).abs().max().item() for a, b in pairs) <= 1e-6
+    moved = zip(start, model.parameters(), strict=True)
+    assert max((a - b).abs().max().item() for a, b in moved) > 1e-3  # it trained
+
+
 # -- resume mid-schedule --------------------------------------------------------------------------
 
 RESUME_STEPS, SAVED_AT = 6, 3
