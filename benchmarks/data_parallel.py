@@ -26,7 +26,7 @@ from timing import median_time
 from torch import nn
 
 import pipetrain
-from pipetrain.data_parallel import BUCKET_BYTES
+from pipetrain.runtime.data_parallel import BUCKET_BYTES
 
 
 def model(width: int, depth: int) -> nn.Sequential:

@@ -148,7 +148,7 @@ class _Torch:
 def _rank(rank: int, port: int, rounds: int, steps: int, names: list[str], out: dict) -> None:
     import time
 
-    from pipetrain.distributed import pin_to_cores
+    from pipetrain.runtime.distributed import pin_to_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

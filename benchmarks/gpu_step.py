@@ -225,7 +225,7 @@ def _steps(variant, x, y, count: int, device: str, last: dict, name: str) -> lis
 def _memory(rank: int, port: int, setup: dict, row: str, steps: int, results) -> None:
     """A fresh process: one row's peak memory over ``steps`` bf16 steps (pipetrain in one
     process needs no process group)."""
-    from pipetrain.progress import peak_memory
+    from pipetrain.observe.progress import peak_memory
 
     run = Setup(**setup)
     if row == "accumulation":

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pipetrain
-import pipetrain.cli
+import pipetrain.tools.cli
 from examples.models import gpt
 
 MODES = ("eager", "lazy", "lazy + safetensors", "lazy + .pt")
@@ -80,7 +80,7 @@ def _rank(rank: int, port: int, mode: str, args: argparse.Namespace, folder: str
 
 def _consolidate(rank: int, output: str, folder: str, results: mp.Queue) -> None:
     before = status("VmRSS")
-    pipetrain.cli.main(["consolidate", str(Path(folder) / "checkpoint"), "-o", output])
+    pipetrain.tools.cli.main(["consolidate", str(Path(folder) / "checkpoint"), "-o", output])
     results.put((rank, before, status("VmHWM")))
 
 

@@ -175,7 +175,7 @@ def _runtime_overhead(world: int, opts: dict) -> float:
 def _time_stage_compute() -> dict[str, float]:
     """Accumulate the wall time of every Stage.forward/backward(_weights) in this process in the
     returned dict's "seconds" (to tell compute slowed by sharing cores from waiting)."""
-    from pipetrain.stage import Stage
+    from pipetrain.runtime.stage import Stage
 
     acc = {"seconds": 0.0}
     for method in ("forward", "backward", "backward_weights"):
@@ -331,7 +331,7 @@ def _profile(opts: dict, warmup: int, repeats: int, busy: int):
     import torch.multiprocessing as mp
 
     from examples.models import resnet_like
-    from pipetrain.profiler import profile
+    from pipetrain.observe.profiler import profile
 
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
@@ -369,7 +369,7 @@ def _predictions(profile, balance: list[int], opts: dict, res: dict) -> tuple[fl
 
 def _pipedream_tables(args: argparse.Namespace) -> str:
     from partitioner import load_pipedream, plan, simulate_split
-    from pipetrain.cli import describe_plan
+    from pipetrain.tools.cli import describe_plan
 
     out = []
     for name, batch in (("vgg16", None), ("gnmt", 64)):

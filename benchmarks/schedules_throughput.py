@@ -3,8 +3,9 @@ against torch.distributed.pipelining's interleaved schedules, on 2 and 4 CPU ran
 
 Model: 16 blocks of Linear(512, 512) + ReLU (32 layers), batch 128 in 8 micro-batches, MSE loss,
 SGD, checkpoint="never", one torch thread per rank, each rank pinned to its share of the
-cores before gloo starts (pipetrain.distributed.pin_to_cores, as init_distributed(pin_cores=True)
-does; --no-pin leaves placement to the OS), ranks joined by gloo (started here).
+cores before gloo starts (pipetrain.runtime.distributed.pin_to_cores, as
+init_distributed(pin_cores=True) does; --no-pin leaves placement to the OS), ranks joined by gloo
+(started here).
 
   pipetrain-1f1b           p stages of 32/p layers
   pipetrain-interleaved    2p stages of 16/p layers, stage c*p+r on rank r
@@ -20,9 +21,9 @@ ScheduleInterleaved1F1B, ZB-H1 against ScheduleInterleavedZeroBubble, ZB-H2 agai
 ScheduleZBVZeroBubble). From the traces of the timed steps: "measured bubble" is
 1 - compute / (ranks x step), the step running from its first action's start to its last
 action's end on any rank, compute being F+B+W; "simulated" is the same step's simulated twin
-(pipetrain.trace.simulated_twin: the schedule simulated with the step's measured per-stage F, B,
-W and optimizer-step times, each rank's measured runtime overhead per action and the step's
-message latency, pipetrain.trace.message_latency, and each rank's entry into the step: ranks
+(pipetrain.observe.trace.simulated_twin: the schedule simulated with the step's measured per-stage
+F, B, W and optimizer-step times, each rank's measured runtime overhead per action and the step's
+message latency, pipetrain.observe.trace.message_latency, and each rank's entry into the step: ranks
 leave the barrier before it a few milliseconds apart); "twin step" is the twin's step time over
 the measured one; "drawn" is the twin's bubble with each compute and optimizer step taking a
 time drawn from those its stage measured for that kind in the step instead of their mean
@@ -31,8 +32,9 @@ strays from its stage's mean by a third to a half of it, and a step follows its 
 which the mean hides; all averaged over the timed steps. With 4 ranks on a 2-core machine the
 ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share one core, 1 and 3 the
 other): the twin then runs each pair on its core (processor sharing, with the measured times
-converted to full speed; pipetrain.trace.shared_cores and full_speed). Compute times inflate and
-bubbles mix with waiting for a core, so compare variants within one rank count, not across.
+converted to full speed; pipetrain.observe.trace.shared_cores and full_speed). Compute times
+inflate and bubbles mix with waiting for a core, so compare variants within one rank count, not
+across.
 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
@@ -104,10 +106,10 @@ class _Pipetrain:
 
 def _bubbles(folder: str, skip: int) -> dict[str, float]:
     """Means over the traced steps after ``skip`` warm-up steps: the measured bubble fraction,
-    that of the step's simulated twin (pipetrain.trace.simulated_twin) with stage means and with
-    action times drawn from the stages' measured ones (DRAWS draws), and the stage-mean twin's
+    that of the step's simulated twin (pipetrain.observe.trace.simulated_twin) with stage means and
+    with action times drawn from the stages' measured ones (DRAWS draws), and the stage-mean twin's
     step time over the measured one (first action's start to last action's end)."""
-    from pipetrain.trace import load_folder, simulated_twin, step_spans
+    from pipetrain.observe.trace import load_folder, simulated_twin, step_spans
     from schedules import bubble_fraction
 
     def extent(spans) -> float:
@@ -176,7 +178,7 @@ def _rank(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if pin:
-        from pipetrain.distributed import pin_to_cores
+        from pipetrain.runtime.distributed import pin_to_cores
 
         pin_to_cores(rank, ranks)
     dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=timedelta(seconds=300))

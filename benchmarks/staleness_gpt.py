@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.delayed import DelayedPipeline
 from pipetrain.optim import CONSTANT, nadamw
+from pipetrain.training.delayed import DelayedPipeline
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]

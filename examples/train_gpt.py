@@ -20,8 +20,8 @@ auto``; elsewhere fp32, since emulated bf16 is several times slower). The pipeli
 checkpoint in ``--checkpoint-dir`` at the start, every ``--checkpoint-every`` steps and at the
 end; when torchrun restarts the job (``--max-restarts``) after a rank died, or with
 ``--resume``, it resumes from the newest one, on the batches an uninterrupted run would see
-(pipetrain/restart.py). At the end every rank evaluates the held-out loss, and the first rank
-consolidates the checkpoint into one model and prints a sample of generated text.
+(pipetrain/checkpoints/restart.py). At the end every rank evaluates the held-out loss, and the
+first rank consolidates the checkpoint into one model and prints a sample of generated text.
 ``--single-process`` trains the same model on the same batches in one process with plain
 PyTorch (torch.nn.utils.clip_grad_norm_, torch.autocast): the reference for the pipelined run.
 """

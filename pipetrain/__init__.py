@@ -2,10 +2,9 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from pipetrain import optim
-from pipetrain.checkpointing import consolidate
-from pipetrain.compensation import DelayCompensation
-from pipetrain.distributed import init_distributed, shutdown
+from pipetrain import _moved, optim
+from pipetrain.checkpoints.checkpointing import consolidate
+from pipetrain.checkpoints.restart import restarted, start_or_resume
 from pipetrain.errors import (
     CheckpointError,
     CommunicationTimeout,
@@ -14,13 +13,14 @@ from pipetrain.errors import (
     PipelineError,
     StageError,
 )
-from pipetrain.lazy import init_layers
-from pipetrain.meta_profile import profile
-from pipetrain.pipeline import Pipeline
-from pipetrain.progress import Progress
-from pipetrain.restart import restarted, start_or_resume
-from pipetrain.task import TrainTask
-from pipetrain.weights import PredictionError
+from pipetrain.observe.meta_profile import profile
+from pipetrain.observe.progress import Progress
+from pipetrain.runtime.distributed import init_distributed, shutdown
+from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.tools.task import TrainTask
+from pipetrain.training.compensation import DelayCompensation
+from pipetrain.training.lazy import init_layers
+from pipetrain.training.weights import PredictionError
 
 try:
     __version__ = version("pipetrain")
@@ -49,3 +49,5 @@ __all__ = [
     "restarted",
     "start_or_resume",
 ]
+
+_moved.install()  # the flat layout's module paths (pipetrain.stage, ...) still import

@@ -1,7 +1,7 @@
-"""``python -m pipetrain``: the ``pipetrain`` command (see :mod:`pipetrain.cli`)."""
+"""``python -m pipetrain``: the ``pipetrain`` command (see :mod:`pipetrain.tools.cli`)."""
 
 import sys
 
-from pipetrain.cli import main
+from pipetrain.tools.cli import main
 
 sys.exit(main())

@@ -42,7 +42,7 @@ from schedules.validate import validate
 Cores = int | Mapping[tuple[int, ...], int] | None
 """Who shares processors: None, each rank has its own; n, all ranks share n; a mapping, each
 group of ranks (a tuple of ranks) shares that many processors and ranks in no group have
-their own (ranks pinned to processors, pipetrain.distributed.pin_to_cores)."""
+their own (ranks pinned to processors, pipetrain.runtime.distributed.pin_to_cores)."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 from setuptools.config.pyprojecttoml import read_configuration
 
 import pipetrain
-from pipetrain import progress
-from pipetrain.cli import main
+from pipetrain.observe import progress
+from pipetrain.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipetrain", "partitioner", "schedules")
@@ -63,3 +63,33 @@ def test_verbose_twice_prints_each_event_once(capsys):
             progress.logger.removeHandler(handler)
         progress.logger.setLevel(level)
     assert capsys.readouterr().err.splitlines() == ["[rank 3] INFO resumed"]
+
+
+def test_the_flat_layouts_module_paths_import_the_grouped_modules():
+    """Code written against pipetrain's flat layout (``pipetrain.stage``, the README's former
+    ``pipetrain.delayed.DelayedPipeline``) imports the very module that now lives in a
+    subpackage: one object, so a patch through either path reaches the code that runs."""
+    import importlib
+    from unittest import mock
+
+    from pipetrain import _moved
+    from pipetrain.runtime.stage import Stage
+
+    for name, group in _moved.MOVED.items():
+        old = importlib.import_module(f"pipetrain.{name}")
+        assert old is importlib.import_module(f"pipetrain.{group}.{name}"), name
+        assert old.__spec__.name == f"pipetrain.{group}.{name}"  # the module keeps its own
+    stage = importlib.import_module("pipetrain.stage")
+    with mock.patch("pipetrain.stage.Stage.zero_grad") as patched:
+        assert Stage.zero_grad is patched and stage.Stage is Stage
+    out = _python("from pipetrain.delayed import DelayedPipeline as D; print(D.__module__)")
+    assert out.strip() == "pipetrain.training.delayed"
+    assert not (ROOT / "pipetrain" / "stage.py").exists()  # moved, not copied
+
+
+def test_the_tree_groups_every_module():
+    """Only the package's public entry points stay at the top; the rest sits in a group."""
+    top = sorted(p.name for p in (ROOT / "pipetrain").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "_moved.py", "errors.py", "optim.py"]
+    groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
+    assert groups == {"runtime", "training", "checkpoints", "observe", "tools"}

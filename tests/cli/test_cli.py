@@ -17,8 +17,8 @@ import torch
 
 from partitioner import Plan, Profile, format_bytes
 from partitioner.pipedream import DATA_DIR
-from pipetrain.cli import main
-from pipetrain.planning import layer_signature
+from pipetrain.tools.cli import main
+from pipetrain.tools.planning import layer_signature
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "examples.models:resnet_like"
@@ -264,7 +264,7 @@ def test_module_entry_point_exit_status(tmp_path):
 def test_trace_and_consolidate_verbs(tmp_path, capsys):
 
     from pipetrain import Pipeline
-    from pipetrain.cli import main
+    from pipetrain.tools.cli import main
     from tests.runtime.models import batches, mlp, sgd
 
     pipe = Pipeline(mlp(), [6, 6], chunks=4, devices=["cpu", "cpu"], trace=tmp_path / "t",
@@ -276,7 +276,7 @@ def test_trace_and_consolidate_verbs(tmp_path, capsys):
     assert main(["trace", str(tmp_path / "t"), "--no-png"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks, 2 steps traced" in out and (tmp_path / "t" / "trace.json").exists()
-    from pipetrain.trace import load_folder, step_overheads
+    from pipetrain.observe.trace import load_folder, step_overheads
 
     overheads = step_overheads(load_folder(tmp_path / "t"))
     assert len(overheads) == 2 and all(o > 0 for o in overheads)
@@ -290,7 +290,7 @@ def test_trace_and_consolidate_verbs(tmp_path, capsys):
 
 
 def test_simulate_draws_the_timeline(tmp_path, capsys):
-    from pipetrain.cli import main
+    from pipetrain.tools.cli import main
 
     png = tmp_path / "sim.png"
     code = main(["simulate", "pipedream:vgg16", "--balance", "10,10,10,10", "--microbatches",

@@ -1,5 +1,5 @@
-"""Profiling a model built on the meta device (pipetrain/meta_profile.py): bytes from shapes,
-times from one materialized layer at a time, a run of identical blocks timed once when asked
+"""Profiling a model built on the meta device (pipetrain/observe/meta_profile.py): bytes from
+shapes, times from one materialized layer at a time, a run of identical blocks timed once when asked
 (and said so in the profile)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import pipetrain
 from examples.models import gpt
 from partitioner import Profile
-from pipetrain.cli import main
-from pipetrain.lazy import is_meta
+from pipetrain.tools.cli import main
+from pipetrain.training.lazy import is_meta
 
 KWARGS = dict(vocab=32, dim=16, blocks=3, heads=2, context=8)
 

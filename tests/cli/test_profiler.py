@@ -1,4 +1,5 @@
-"""pipetrain.profiler.profile: what it records per layer, and that it leaves the model alone."""
+"""pipetrain.observe.profiler.profile: what it records per layer, and that it leaves the model
+alone."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from torch import nn
 
 from examples.models import resnet_like
-from pipetrain.planning import layer_signature
-from pipetrain.profiler import profile
+from pipetrain.observe.profiler import profile
+from pipetrain.tools.planning import layer_signature
 from tests.runtime.models import mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
-from pipetrain.cli import main
-from pipetrain.gantt import STEP_COLOUR, legend
+from pipetrain.observe.gantt import STEP_COLOUR, legend
+from pipetrain.tools.cli import main
 from schedules import Kind
 from tests.runtime.models import batches, mlp
 from tests.runtime.test_local import pipeline

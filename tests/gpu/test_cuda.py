@@ -133,7 +133,7 @@ def test_more_processes_than_gpus():
     chosen = _launch_two("""
         import torch.distributed as dist, pipetrain
         pipetrain.init_distributed(timeout=60)
-        print(dist.get_backend(), pipetrain.distributed.local_device())
+        print(dist.get_backend(), pipetrain.runtime.distributed.local_device())
     """)
     assert [c.stdout.split() for c in chosen] == [["gloo", "cpu"]] * 2, chosen
     assert "2 processes on this node but 1 GPU(s)" in chosen[0].stderr

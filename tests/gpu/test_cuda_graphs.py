@@ -1,4 +1,4 @@
-"""CUDA graphs (pipetrain/cuda_graphs.py) on a GPU: the graphed pipeline trains to the eager
+"""CUDA graphs (pipetrain/runtime/cuda_graphs.py) on a GPU: the graphed pipeline trains to the eager
 pipeline's parameters.
 
 Tolerance: 1e-6 absolute in fp32 (TF32 off, tests/gpu/conftest.py), 1e-4 under bf16 autocast.

@@ -1,5 +1,5 @@
 """Messages between CUDA stages go over streams of their own, ordered by events
-(pipetrain/transport.py ``_CudaLink``), checked with two stages on cuda:0.
+(pipetrain/runtime/transport.py ``_CudaLink``), checked with two stages on cuda:0.
 
 - The copy waits for the sender's work on its tensor, however late that work ends.
 - The receiver's work waits for the copy, on whatever stream it runs.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.meta import TensorMeta
-from pipetrain.transport import LocalHub
+from pipetrain.runtime.meta import TensorMeta
+from pipetrain.runtime.transport import LocalHub
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SLEEP = 200_000_000  # GPU clock cycles of torch.cuda._sleep: about 0.1 s

@@ -1,5 +1,5 @@
 """Dropout under recomputation with stages on CUDA devices: each stage's stream carries its CUDA
-device's generator state too (pipetrain/rng.py), since CUDA dropout draws from that.
+device's generator state too (pipetrain/runtime/rng.py), since CUDA dropout draws from that.
 
 As in tests/runtime/test_dropout_rng.py, every checkpoint mode must train to the parameters of
 "never" from the same seed. Several stages on one GPU share its generator as the CPU stages share

@@ -15,7 +15,7 @@ from torch import nn
 
 import pipetrain
 from examples.models import lm_loss
-from pipetrain.readback import HostCopy
+from pipetrain.runtime.readback import HostCopy
 from tests.runtime.models import batches, mlp, text_batches, tiny_gpt
 from tests.runtime.test_step_cost import host_syncs
 

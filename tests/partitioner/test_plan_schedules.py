@@ -9,7 +9,7 @@ import pytest
 
 from partitioner import InfeasibleError, Plan, load_pipedream, plan, simulate_split
 from partitioner.costs import weight_gradient_share
-from pipetrain.cli import main
+from pipetrain.tools.cli import main
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 STAGES, MICROBATCHES = 4, 8

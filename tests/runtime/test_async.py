@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.weights import PredictionError, predict
+from pipetrain.training.weights import PredictionError, predict
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, reference, sgd
 

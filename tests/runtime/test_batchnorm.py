@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.batchnorm import DeferredBatchNorm
+from pipetrain.training.batchnorm import DeferredBatchNorm
 from tests.runtime.test_local import pipeline
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain import checkpointing
+from pipetrain.checkpoints import checkpointing
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline

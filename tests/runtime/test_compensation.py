@@ -1,4 +1,5 @@
-"""Delay compensation (pipetrain/compensation.py) against real optimizer steps and real pipelines.
+"""Delay compensation (pipetrain/training/compensation.py) against real optimizer steps and real
+pipelines.
 
 What each test pins down:
 * spike compensation makes a gradient that arrives D updates late move the weights exactly as
@@ -28,8 +29,8 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.compensation import CompensationError, Compensator, DelayCompensation
-from pipetrain.weights import predict, stage_versions
+from pipetrain.training.compensation import CompensationError, Compensator, DelayCompensation
+from pipetrain.training.weights import predict, stage_versions
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, reference, sgd
 

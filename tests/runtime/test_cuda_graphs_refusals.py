@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.config import PipelineConfig
-from pipetrain.cuda_graphs import MAX_SIGNATURES, StageGraphs, slots_needed, stage_refusal
 from pipetrain.errors import StageError
-from pipetrain.rng import StageRng
+from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.cuda_graphs import MAX_SIGNATURES, StageGraphs, slots_needed, stage_refusal
+from pipetrain.runtime.rng import StageRng
 from schedules import build
 from tests.runtime.models import batches, mlp, sgd
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.delayed import DelayedPipeline
+from pipetrain.training.delayed import DelayedPipeline
 from tests.runtime.models import batches, mlp, reference, sgd
 
 BALANCE = [2, 3, 4, 3]

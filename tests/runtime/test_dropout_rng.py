@@ -1,11 +1,11 @@
 """Dropout under activation recomputation: the backward sees the masks the forward drew.
 
-Each stage draws from its own random stream (pipetrain/rng.py), seeded from the global generator
-when the pipeline is built, and a recomputed micro-batch replays its forward's stream. So, with
-the same ``torch.manual_seed`` before building, every checkpoint mode, every synchronous schedule
-and both modes (stages as threads of one process, or one process per stage) draw the same masks
-and train to the same parameters; "never" keeps the forward's masks in autograd's graph, so its
-gradients are right by construction and the others must equal them. Tolerance 1e-6 (fp32): the
+Each stage draws from its own random stream (pipetrain/runtime/rng.py), seeded from the global
+generator when the pipeline is built, and a recomputed micro-batch replays its forward's stream.
+So, with the same ``torch.manual_seed`` before building, every checkpoint mode, every synchronous
+schedule and both modes (stages as threads of one process, or one process per stage) draw the same
+masks and train to the same parameters; "never" keeps the forward's masks in autograd's graph, so
+its gradients are right by construction and the others must equal them. Tolerance 1e-6 (fp32): the
 same float operations run in the same order, so the runs agree to the last bit or nearly; one
 wrong mask moves a parameter by about 1e-2.
 """

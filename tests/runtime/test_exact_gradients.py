@@ -4,7 +4,8 @@ parameter and loss, as test_distributed.py explains: reordered sums move results
 path counted twice or a lost gradient by 1e-3 or more).
 
 1. Layers whose outputs share a path (a tensor and its tanh, a residual stream and its norm):
-   the split backward's weight pass counted the shared path twice (pipetrain/stage_module.py).
+   the split backward's weight pass counted the shared path twice
+   (pipetrain/runtime/stage_module.py).
 2. A weight shared by stages of one process (a tied head, a shared scale and bias): with a
    thread per rank, the stage stepping it stepped before another stage's last weight-gradient
    pass, which then failed or was lost (pipeline._late_steps).

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipetrain import microbatch
-from pipetrain.executor import Executor
-from pipetrain.stage import Stage
-from pipetrain.trace import Recorder
-from pipetrain.transport import LocalHub
+from pipetrain.observe.trace import Recorder
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.transport import LocalHub
 from schedules import Kind, build
 from tests.runtime.models import mlp, sgd
 
@@ -39,7 +39,7 @@ def test_losses_done_fires_once_right_after_the_last_forward():
 
 
 def test_every_action_kind_has_its_executor_method():
-    from pipetrain.executor import HANDLERS
+    from pipetrain.runtime.executor import HANDLERS
 
     assert set(HANDLERS) == set(Kind)
     assert all(getattr(Executor, h.__name__) is h for h in HANDLERS.values())

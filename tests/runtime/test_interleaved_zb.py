@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.trace import load_folder
+from pipetrain.observe.trace import load_folder
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import (
     batches,

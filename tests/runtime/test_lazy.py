@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import pipetrain
-import pipetrain.cli
+import pipetrain.tools.cli
 from examples.models import gpt, lm_loss
-from pipetrain import weightfile
+from pipetrain.checkpoints import weightfile
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import text_batches
 
@@ -109,7 +109,7 @@ def test_consolidate_then_load_per_stage(tmp_path: Path) -> None:
             assert torch.equal(merged(results, which)[key], state[key]), key
     saved = merged(results, 2)
     whole = tmp_path / "trained.safetensors"
-    assert pipetrain.cli.main(["consolidate", str(folder), "-o", str(whole)]) == 0
+    assert pipetrain.tools.cli.main(["consolidate", str(folder), "-o", str(whole)]) == 0
     reloaded = merged(values(run_ranks(_initial_from, 2, [6, 2], str(whole))), 0)
     assert reloaded.keys() == saved.keys()
     for key in saved:

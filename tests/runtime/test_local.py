@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.config import recompute_below
+from pipetrain.runtime.config import recompute_below
 from tests.runtime.models import batches, mlp, reference, sgd
 from tests.runtime.test_distributed import BALANCES, CHECKPOINTS, CHUNKS, SCHEDULES, TOLERANCE
 

@@ -1,5 +1,5 @@
-"""The per-layer initialization rule (pipetrain/lazy.py), in one process: a model built on the
-meta device and materialized, whole or in part, gets bit for bit the weights and buffers that
+"""The per-layer initialization rule (pipetrain/training/lazy.py), in one process: a model built on
+the meta device and materialized, whole or in part, gets bit for bit the weights and buffers that
 ``pipetrain.init_layers`` gives the same model built eagerly; a layer the rule cannot fill is
 refused naming it and the fix."""
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import pipetrain
 from examples.models import gpt, resnet_like
-from pipetrain.lazy import is_meta, layer_seed, materialize
+from pipetrain.training.lazy import is_meta, layer_seed, materialize
 
 
 def meta(factory, **kwargs) -> nn.Sequential:

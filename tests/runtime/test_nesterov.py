@@ -19,9 +19,9 @@ from torch import nn
 
 import pipetrain
 from examples.models import gpt, lm_loss
-from pipetrain import checkpointing
-from pipetrain.delayed import DelayedPipeline
+from pipetrain.checkpoints import checkpointing
 from pipetrain.optim import nadamw
+from pipetrain.training.delayed import DelayedPipeline
 from tests.runtime.models import batches, mlp
 
 LR, MU, BETA2, EPS, DECAY, WARMUP = 0.01, 0.99, 0.999, 1e-8, 0.1, 0.004

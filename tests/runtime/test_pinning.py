@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain
-from pipetrain.distributed import _io_threads, pin_to_cores
+from pipetrain.runtime.distributed import _io_threads, pin_to_cores
 from tests.runtime.harness import free_port, run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_distributed import assert_trains_like_one_process

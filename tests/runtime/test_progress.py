@@ -85,4 +85,4 @@ def test_the_memory_figure_says_what_it_measures() -> None:
     pipe.train_step(*batches(1)[0])
     line = Progress().line(pipe.metrics)
     assert re.search(r"\| peak RSS cpu\(process\)=\d+MiB", line), line
-    assert pipetrain.progress.memory_kind(pipe.stages[0].device) == "RSS"
+    assert pipetrain.observe.progress.memory_kind(pipe.stages[0].device) == "RSS"

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipetrain.readback import StepLoss, step_loss
+from pipetrain.runtime.readback import StepLoss, step_loss
 
 
 def _loss(value: float) -> StepLoss:

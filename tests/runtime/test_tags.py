@@ -1,5 +1,5 @@
-"""The message tag layout (pipetrain/tags.py): no two messages share a tag, over every range the
-layout admits, and the limits that make it so are enforced where they bind."""
+"""The message tag layout (pipetrain/runtime/tags.py): no two messages share a tag, over every
+range the layout admits, and the limits that make it so are enforced where they bind."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from pipetrain.executor import tag
-from pipetrain.meta import HEADER_LEN, MAX_TENSORS, describe, encode
-from pipetrain.tags import (
+from pipetrain.runtime.executor import tag
+from pipetrain.runtime.meta import HEADER_LEN, MAX_TENSORS, describe, encode
+from pipetrain.runtime.tags import (
     BREAK_TAG,
     CLOCK_TAG,
     CONTROL,

@@ -12,8 +12,8 @@ import pytest
 from torch import nn
 
 import pipetrain
-from pipetrain.progress import Progress
-from pipetrain.trace import (
+from pipetrain.observe.progress import Progress
+from pipetrain.observe.trace import (
     RankTrace,
     drawn_costs,
     full_speed,

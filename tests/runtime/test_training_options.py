@@ -226,7 +226,7 @@ def test_bf16_matches_the_same_rounding_in_one_process(schedule):
     casts are bit-identical and the gradient sums only reorder (measured ~2e-9); a lost
     micro-batch or a wrong loss divisor moves parameters by far more (an update here is
     ~1e-2)."""
-    from pipetrain.precision import to_boundary
+    from pipetrain.training.precision import to_boundary
 
     reference, model = tiny_gpt(), tiny_gpt()
     start = [p.detach().clone() for p in reference.parameters()]

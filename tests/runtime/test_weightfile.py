@@ -1,6 +1,6 @@
-"""Whole-model weight files (pipetrain/weightfile.py): safetensors written and read here (and,
-where the ``safetensors`` package is installed, exchanged with it), torch .pt files, and one
-clear error for a truncated file, missing, unexpected or wrongly shaped keys."""
+"""Whole-model weight files (pipetrain/checkpoints/weightfile.py): safetensors written and read
+here (and, where the ``safetensors`` package is installed, exchanged with it), torch .pt files, and
+one clear error for a truncated file, missing, unexpected or wrongly shaped keys."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import pipetrain
 from examples.models import gpt
-from pipetrain import weightfile
+from pipetrain.checkpoints import weightfile
 
 KWARGS = dict(vocab=32, dim=16, blocks=2, heads=2, context=8)
 

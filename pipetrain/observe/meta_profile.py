@@ -1,0 +1,168 @@
+"""Profile a model built on the meta device, never holding more than one layer of it.
+
+Bytes come from shapes: parameter bytes from the meta parameters, activation bytes from a
+forward pass on the meta device (no data, no time). Times come from building one layer at a
+time: a copy of the layer is materialized on the device (random values, then its modules'
+``reset_parameters()``), its forward and backward are timed as ``pipetrain.observe.profiler`` times
+them, and the copy is freed before the next layer. With ``reuse_times`` a run of identical
+consecutive layers (same class, structure, tensor shapes and input) is timed once: each later
+layer of the run records the first one's times and names it in ``timed_as``. A layer's input
+is the previous layer's real output where that layer ran, else random values of the meta
+output's shape (zeros for integer tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from partitioner import LayerCost, Profile
+from pipetrain.observe import profiler
+from pipetrain.tools.planning import layer_signature
+from pipetrain.training.lazy import is_meta, reset_layer
+
+
+def profile(
+    model: nn.Sequential, sample_input: object, *, optimizer: str = "adam", warmup: int = 2,
+    repeats: int = 5, device: str | torch.device | None = None, reuse_times: bool = False,
+) -> Profile:
+    """Profile ``model`` per layer (see pipetrain.observe.profiler): a model built on the meta
+    device one layer at a time (this module), any other as pipetrain.observe.profiler does."""
+    if not (isinstance(model, nn.Sequential) and is_meta(model)):
+        if reuse_times:
+            raise ValueError(
+                "reuse_times applies to a model built on the meta device; a built model's "
+                "layers are each timed (leave reuse_times out)"
+            )
+        return profiler.profile(
+            model, sample_input, optimizer=optimizer, warmup=warmup, repeats=repeats,
+            device=device,
+        )
+    return _profile_meta(model, sample_input, optimizer, warmup, repeats,
+                         torch.device(device or "cpu"), reuse_times)
+
+
+def _check(model: nn.Sequential, sample_input: object, optimizer: str, warmup: int,
+           repeats: int) -> int:
+    """The batch size; the same refusals as pipetrain.observe.profiler."""
+    if len(model) == 0:
+        raise ValueError("the model has no layers to profile")
+    if optimizer not in profiler.OPTIMIZER_STATE:
+        raise ValueError(
+            f"optimizer must be one of {sorted(profiler.OPTIMIZER_STATE)}, got {optimizer!r}"
+        )
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    inputs = profiler.tensors_of(sample_input)
+    if not inputs or inputs[0].dim() == 0 or inputs[0].shape[0] < 1:
+        raise ValueError(
+            "the sample input must be a tensor (or a tuple of tensors) whose first dimension "
+            f"is a non-empty batch, got {type(sample_input).__name__}"
+        )
+    return int(inputs[0].shape[0])
+
+
+def _key(layer: nn.Module, value: object) -> str:
+    """What makes two layers identical for timing: structure, tensor shapes, input shapes."""
+    tensors = [f"{n}{tuple(t.shape)}{t.dtype}{t.requires_grad}"
+               for n, t in [*layer.named_parameters(), *layer.named_buffers()]]
+    return f"{layer!r}|{tensors}|{profiler.describe(value)}"
+
+
+def _build(layer: nn.Module, device: torch.device) -> nn.Module:
+    """A real copy of a meta layer on ``device``, its values random, then its modules' reset."""
+    built = copy.deepcopy(layer).to_empty(device=device)
+    with torch.no_grad():
+        for t in [*built.parameters(), *built.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02)
+            else:
+                t.zero_()
+        reset_layer(built)
+    return built
+
+
+def _stand_in(value: object, device: torch.device) -> object:
+    """Real values of ``value``'s (meta) shapes: normal floats, integer zeros."""
+    def make(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, dtype=t.dtype, device=device)
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return profiler._map(value, make)
+
+
+def _leaves(value: object, flags: list[bool]) -> object:
+    """``value``'s tensors requiring grad where ``flags`` say (as in the model)."""
+    grads = iter(flags)
+    return profiler._map(value, lambda t: t.requires_grad_(next(grads)))
+
+
+def _time(index: int, name: str, layer: nn.Module, value: object, flags: list[bool],
+          device: torch.device, warmup: int, repeats: int) -> tuple[float, float, object]:
+    """Median forward and backward seconds of one materialized copy of ``layer``, and its
+    output (detached)."""
+    built = _build(layer, device)
+    run = profiler._LayerRun(index, name, built, value, flags)
+    output: object = None
+    for sweep in range(warmup + repeats):
+        output = run.run(device, record=sweep >= warmup)
+    result = (statistics.median(run.forward), statistics.median(run.backward))
+    return *result, profiler._map(output, lambda t: t.detach())
+
+
+def _profile_meta(
+    model: nn.Sequential, sample_input: object, optimizer: str, warmup: int, repeats: int,
+    device: torch.device, reuse_times: bool,
+) -> Profile:
+    batch_size = _check(model, sample_input, optimizer, warmup, repeats)
+    names, counts = layer_signature(model)
+    meta = profiler._map(sample_input, lambda t: t.to("meta"))
+    real = profiler._map(sample_input, lambda t: t.to(device))
+    flags = [t.requires_grad for t in profiler.tensors_of(sample_input)]
+    layers: list[LayerCost] = []
+    previous: tuple[str, LayerCost] | None = None
+    modes = [m.training for m in model.modules()]
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        model.train()
+        for index, (name, layer) in enumerate(zip(names, model, strict=True)):
+            try:
+                output = layer(_leaves(meta, flags))
+            except Exception as error:
+                raise ValueError(
+                    f"layer {index} ({name}) cannot run on the meta device (on an input of "
+                    f"{profiler.describe(meta)}): {type(error).__name__}: {error}; profile the "
+                    "model built on a real device"
+                ) from error
+            key = _key(layer, meta)
+            params = list(layer.parameters())
+            trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            cost = LayerCost(
+                name=name, forward=0.0, backward=0.0,
+                activation_bytes=profiler.nbytes(output), param_count=counts[index],
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                optimizer_state_bytes=profiler.OPTIMIZER_STATE[optimizer] * trained,
+            )
+            if reuse_times and previous is not None and previous[0] == key:
+                timed = previous[1]
+                layers.append(replace(cost, forward=timed.forward, backward=timed.backward,
+                                      timed_as=timed.timed_as or timed.name))
+                real = _stand_in(output, device)
+            else:
+                forward, backward, real = _time(
+                    index, name, layer, real, flags, device, warmup, repeats
+                )
+                layers.append(replace(cost, forward=forward, backward=backward))
+            previous = (key, layers[-1])
+            flags = [t.requires_grad for t in profiler.tensors_of(output)]
+            meta = profiler._map(output, lambda t: t.detach())
+    for module, mode in zip(model.modules(), modes, strict=True):
+        module.training = mode
+    return Profile(
+        device=profiler.device_name(device) + " (built on the meta device, a layer at a time)",
+        batch_size=batch_size, layers=layers,
+        input_bytes=profiler.nbytes(sample_input),
+    )

@@ -1,0 +1,138 @@
+"""Building this process's stages: the model split by balance, the weights stages share found,
+the world placed, the layers brought up on their ranks' devices, and each stage given what it
+uses (config.py's numbers, its weight versions, its gradient all-reduces, CUDA graphs where
+asked and possible)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import cast
+
+import torch
+from torch import nn
+
+from pipetrain.observe.progress import logger
+from pipetrain.runtime.agreement import fingerprint
+from pipetrain.runtime.config import PipelineConfig, check_balance
+from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
+from pipetrain.runtime.data_parallel import GradientSync, tied_parameters
+from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.world import World
+from pipetrain.training.batchnorm import DeferredBatchNorm
+from pipetrain.training.layers import LayerSource
+from pipetrain.training.weights import stage_versions
+from schedules import Kind, Schedule, inflight
+
+Tie = tuple[nn.Parameter, tuple[int, ...]]  # a weight shared by stages, and those stages
+Parts = list[tuple[int, nn.Sequential]]  # per stage: the offset of its first layer, its slice
+
+
+def split(model: nn.Sequential, balance: Sequence[int]) -> Parts:
+    """(offset, slice) per stage; slices keep the full model's state_dict keys."""
+    balance = check_balance(model, balance)
+    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    slices = [cast(nn.Sequential, model[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return list(zip(bounds, slices, strict=False))
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forward half, for evaluation (no gradients, no optimizer step)."""
+    keep = {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
+    actions = {r: tuple(a for a in ops if a.kind in keep) for r, ops in schedule.actions.items()}
+    return Schedule(
+        schedule.name + "-forward", schedule.stages, schedule.microbatches, actions,
+        schedule.placement, schedule.lag, schedule.update_every,
+    )
+
+
+def assemble(
+    model: nn.Sequential, config: PipelineConfig, schedule: Schedule, world: World,
+    source: LayerSource, seeds: Sequence[int],
+) -> tuple[list[Stage], list[Tie]]:
+    """This process's stages of ``schedule``, in stage order, once ``world`` has placed the
+    ranks and every rank agrees on the settings; and the weights shared by stages (the
+    tensors the stages hold). On one rank the stages using a shared weight share one tensor,
+    which the first of them steps; across ranks its gradient is summed."""
+    if config.deferred_batch_norm:
+        model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
+    parts, ties = split(model, config.balance), tied_parameters(model, config.balance)
+    world.place(schedule, [stages for _, stages in ties])
+    world.agree(lambda: fingerprint(
+        model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
+        checkpoint=config.checkpoint, replicas=world.placement.replicas,
+        weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
+        **source.settings(),
+    ))
+    if schedule.asynchronous and (ties or world.placement.replicas > 1):
+        raise ValueError(
+            f"schedule {config.schedule!r} does not support data-parallel replicas or "
+            "weights tied across stages yet; use a synchronous schedule for those"
+        )
+    here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
+    # the gradient all-reduces bind their buffers on the device: the layers go there first
+    made = source.bring_up(model, parts, {s: world.device(schedule.rank_of(s)) for s in here})
+    ties = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
+    owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
+             if any(s in here for s in stages)}
+    rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
+    built = []
+    for s in here:
+        mine = [p for p in parts[s][1].parameters()
+                if p.requires_grad and owner.get(id(p), s) == s]
+        built.append(_build_stage(
+            config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
+            owned_elsewhere=frozenset(i for i, o in owner.items() if o != s),
+            syncs=world.gradient_syncs(mine, rank_ties),
+        ))
+    return built, ties
+
+
+def _build_stage(
+    config: PipelineConfig, schedule: Schedule, parts: Parts, index: int,
+    device: torch.device, seed: int, owned_elsewhere: frozenset[int],
+    syncs: Sequence[GradientSync],
+) -> Stage:
+    """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
+    versions."""
+    offset, module = parts[index]
+    versions = None
+    if schedule.asynchronous:
+        versions = partial(
+            stage_versions, lag=schedule.lag[index], update_every=schedule.update_every,
+            weight_stashing=config.weight_stashing,
+            weight_prediction=config.weight_prediction, compensation=config.compensation,
+            schedule=config.schedule,
+        )
+    stage = Stage(
+        module=module, index=index, count=len(parts), offset=offset, device=device,
+        optimizer=config.optimizer, loss_fn=config.loss_fn,
+        recompute_below=config.recompute_below(index), loss_divisor=config.loss_divisor,
+        track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
+        split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
+        autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
+        weight_versions=versions,
+    )
+    if stage.ledger is not None:
+        stage.ledger.bound = inflight(schedule)[index]
+    _use_graphs(config, schedule, stage)
+    return stage
+
+
+def _use_graphs(config: PipelineConfig, schedule: Schedule, stage: Stage) -> None:
+    """Give ``stage`` CUDA graphs when asked and possible (pipetrain/runtime/cuda_graphs.py): under
+    ``cuda_graphs=True`` what cannot be captured is refused, under "auto" it runs eagerly."""
+    if not config.cuda_graphs:
+        return
+    reason = pipeline_refusal(
+        schedule, config.checkpoint, config.track_memory, config.deferred_batch_norm
+    ) or stage_refusal(stage.index, stage.device, stage.module)
+    if reason is None:
+        stage.use_graphs(slots_needed(schedule, stage.index), config.cuda_graphs is True)
+    elif config.cuda_graphs is True:
+        raise ValueError(
+            f"{reason}. Pass cuda_graphs='auto' to run what cannot be captured eagerly, "
+            "or cuda_graphs=False"
+        )
+    else:
+        logger.info("stage %d runs eagerly (cuda_graphs='auto'): %s", stage.index, reason)

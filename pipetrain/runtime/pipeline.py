@@ -1,0 +1,438 @@
+"""The user's object: split an nn.Sequential into stages and train it with a schedule.
+
+One process per rank under torchrun, or every rank as a thread of this process on its own
+device (``devices=[...]``): the World (pipetrain/runtime/world.py) holds what differs between the
+two, pipetrain/runtime/assembly.py builds the stages, and this class is the training logic both
+share: the options (config.py), the schedule, the stages and the steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partitioner import Plan
+from pipetrain.checkpoints import checkpointing
+from pipetrain.observe.metrics import StepMetrics
+from pipetrain.observe.progress import Progress, logger
+from pipetrain.observe.trace import Recorder
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.assembly import Tie, assemble, forward_only
+from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.inflight import InFlight
+from pipetrain.runtime.placement import Placement
+from pipetrain.runtime.readback import step_loss
+from pipetrain.runtime.rng import draw_seeds
+from pipetrain.runtime.runner import Runner
+from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
+from pipetrain.runtime.stage_module import PipelineLayers
+from pipetrain.runtime.transport import Transport
+from pipetrain.runtime.update import Update, learning_rate
+from pipetrain.runtime.world import make_world
+from pipetrain.tools.planning import warn_other_microbatch
+from pipetrain.training.compensation import AUTO, DelayCompensation
+from pipetrain.training.layers import LayerSource
+from pipetrain.training.lazy import InitFn
+from pipetrain.training.precision import LossScaler
+from schedules import build, validate
+
+
+class Pipeline:
+    """Train ``model`` split by ``balance`` into stages, ``chunks`` micro-batches a step.
+
+    Without ``devices`` this process is one rank of a torchrun job of ``stages x replicas``
+    ranks: replica k's stage s is rank k * stages + s, and each stage's replicas average their
+    gradients before every optimizer step. With ``devices`` every stage runs here as a thread,
+    stage s on ``devices[s]``. Both run the same schedule and train like one process would.
+    Weights shared by layers on different stages stay identical: their gradients are summed
+    across those stages. Each stage draws its random numbers (dropout) from a stream of its
+    own, seeded from torch's global generator when the pipeline is built (call
+    ``torch.manual_seed`` first for a reproducible run, the same in either mode); a recomputed
+    micro-batch replays its forward's draws, and checkpoints save the streams
+    (pipetrain/runtime/rng.py).
+
+    A model built on the meta device (``with torch.device("meta"):``, shapes only) is never
+    built whole: each process materializes only its own stages' layers, on its device, and
+    initializes them by the per-layer rule from ``init_seed`` (pipetrain/training/lazy.py), so any
+    split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives the model
+    built eagerly; or each stage reads its own tensors from ``weights``.
+
+    Args:
+        model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
+            Built on the meta device, it needs ``init_seed`` or ``weights``.
+        balance: layers per stage, e.g. ``[4, 8]``; its entries sum to ``len(model)``. Leave it
+            out when ``plan`` gives it.
+        plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
+            and the schedule, micro-batch count and each stage's checkpoint mode unless those
+            are passed too. A plan made for another model is refused; a first step whose
+            micro-batches differ from the plan's profiled size warns once.
+        chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
+            a multiple of it.
+        schedule: the schedule's name in schedules/registry.py (default "1f1b", or the
+            plan's): "gpipe", "1f1b", "interleaved" (several stages per rank; pass as many
+            devices or processes as ranks), "zb-h1", "zb-h2" (zero bubble, split backward),
+            or the asynchronous "pipedream" and "pipedream-2bw", which never flush between
+            steps (see ``weight_stashing``).
+        checkpoint: activation recomputation, "never", "except_last" or "always" (torchgpipe's
+            modes), one for every stage or a list of one per stage (as a plan made under a
+            memory cap may choose). Default: the plan's, else the schedule's entry
+            ("except_last" under "gpipe", else "never"; "never" with ``cuda_graphs``). The
+            asynchronous schedules refuse recomputation.
+        loss_fn: ``loss_fn(output, target)``, a scalar, on the last stage; the step's loss is
+            its mean over the micro-batches. Without it (or ``optimizer``) the pipeline
+            evaluates, and ``train_step`` refuses to run.
+        optimizer: a factory, ``lambda params: torch.optim.AdamW(params, ...)``: each stage
+            builds its own optimizer of its parameters. torch's fused optimizers
+            (``fused=True``) skip a non-finite step on the device, without a host sync.
+        devices: one device per rank to run every stage in this process; None (default) runs
+            this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
+        group: the process group of the job (default: the whole world).
+        replicas: data-parallel copies of the pipeline (default: world size / ranks per
+            pipeline).
+        timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
+            (default 300).
+        deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
+            rather than of the last micro-batch (pipetrain/training/batchnorm.py).
+        track_memory: count the bytes each stage saves for backward (``stage.ledger``), and
+            hold each stage to the micro-batches its schedule keeps in flight.
+        trace: a folder where each rank writes the actions it ran, with times (``pipetrain
+            trace DIR`` merges them); the same on every rank. Default: the PIPETRAIN_TRACE
+            environment variable, else off.
+        progress: True prints each step's metrics on the first rank;
+            ``pipetrain.Progress(every=N, total=T)`` every N steps, with a bar up to step T (a
+            bare number is refused as ambiguous).
+        checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
+            tells how many steps are done; the first rank says so).
+        checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
+            steps (0, the default: never).
+        weight_stashing: asynchronous schedules: a micro-batch's forward and backward read one
+            weight version (default True). False without prediction is PipeDream's naive,
+            inconsistent variant.
+        weight_prediction: asynchronous schedules: "momentum", "spectrain" or "msnag" run both
+            passes on the weights predicted after the stage's lag (pipetrain/training/weights.py);
+            None stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
+            prediction for SGD with momentum, Adam and AdamW.
+        precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
+            sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
+            whose overflow check every rank agrees on (pipetrain/training/precision.py).
+        clip_grad_norm: clip by the norm of the whole model's gradients, as
+            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/runtime/update.py).
+        lr_scheduler: a factory, ``lambda optimizer: ...``: one learning-rate schedule per
+            stage optimizer, stepped after each of its steps (not after a skipped one).
+        delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
+            "pipemare", several joined by "+", or a DelayCompensation: changes the updates of
+            late gradients (pipetrain/training/compensation.py), with or without prediction. Default
+            "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
+            "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
+            delay_compensation=None`` is PipeDream's weight stashing.
+        cuda_graphs: True captures each stage's training forward and backward as CUDA graphs
+            after the first step with each micro-batch shape and replays them from then on
+            (pipetrain/runtime/cuda_graphs.py); what cannot be captured is refused with the reason,
+            and "auto" runs it eagerly instead. Default False.
+        init_seed: the per-layer initialization rule's seed (pipetrain/training/lazy.py): layer i is
+            seeded from it and i, then ``init(layer)`` or its modules' ``reset_parameters()``
+            run. Needed for a meta-device model without ``weights``; on an eagerly built model
+            it re-initializes every layer by the rule.
+        init: ``init(layer)``, the rule's initialization of one layer, in place of its
+            modules' ``reset_parameters()``.
+        weights: a whole-model ``.safetensors`` or ``.pt`` file, keys as in
+            ``model.state_dict()``: each stage reads only its own tensors
+            (pipetrain/checkpoints/weightfile.py). Missing, unexpected or wrongly shaped keys are
+            refused in one error.
+        nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
+            gradients are not finite on any stage, on every rank, leaving the weights, the
+            optimizer state and the learning-rate schedule as they were, with a warning naming
+            the step and the stages; "raise" raises NonFiniteError instead.
+
+    After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
+    ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
+    the schedule, ``stages`` this process's stages and ``step`` the steps done. ``metrics``
+    holds each step's figures on every rank: "loss", "step_time", "samples_per_second",
+    "stage_bubble", "stage_peak_memory" and "peak_memory" (per device of this process,
+    "cuda:N" the GPU's peak allocation, "cpu(process)" the process's peak resident set,
+    ``peak_memory_kind`` saying which; on the first rank of a multi-process run with
+    ``progress``, one per rank "rankN"), "lr", "skipped_step", with clipping "grad_norm"
+    (before clipping) and, for fp16, "loss_scale". The step keeps them as device tensors; the
+    first read of ``metrics`` after a step waits for the device. No step waits for the device
+    except where an optimizer that cannot skip on the device, an ``lr_scheduler``,
+    ``nonfinite="raise"`` or ``progress`` asks for it. ``flush()`` drains an asynchronous
+    pipeline; ``eval_step`` and ``save`` call it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        plan: str | os.PathLike[str] | Plan | None = None,
+        chunks: int | None = None,
+        schedule: str | None = None,
+        checkpoint: str | Sequence[str] | None = None,
+        loss_fn: LossFn | None = None,
+        optimizer: OptimizerFactory | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        group: dist.ProcessGroup | None = None,
+        replicas: int | None = None,
+        timeout: float = 300.0,
+        deferred_batch_norm: bool = False,
+        track_memory: bool = False,
+        trace: str | os.PathLike[str] | None = None,
+        progress: bool | Progress = False,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        weight_stashing: bool = True,
+        weight_prediction: str | None = AUTO,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+        delay_compensation: str | DelayCompensation | None = AUTO,
+        cuda_graphs: bool | str = False,
+        init_seed: int | None = None,
+        init: InitFn | None = None,
+        weights: str | os.PathLike[str] | None = None,
+        nonfinite: str = "skip",
+    ):
+        self.config = config = PipelineConfig.resolve(
+            model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+            loss_fn=loss_fn, optimizer=optimizer, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm, track_memory=track_memory, trace=trace,
+            progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            weight_stashing=weight_stashing, weight_prediction=weight_prediction,
+            precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
+            delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
+            nonfinite=nonfinite,
+        )
+        source = LayerSource(init_seed, init, weights)
+        source.check(model)
+        self.balance, self.chunks = list(config.balance), config.chunks
+        self.timeout, self.checkpoint, self.precision = (
+            config.timeout, config.checkpoint, config.precision
+        )
+        self.world = make_world(devices, group, replicas, config.timeout)
+        ranks = self.world.pipeline_ranks(config.schedule, len(self.balance))
+        config.check_planned_ranks(ranks, placed=self.world.placed)
+        self.schedule = build(config.schedule, len(self.balance), config.chunks, ranks=ranks)
+        validate(self.schedule)
+        self._evaluation = forward_only(self.schedule)
+        seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
+        self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
+        self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
+        self._layers = PipelineLayers(
+            OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
+        )
+        self._start_training(ties)
+        logger.info(
+            "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
+            len(self.balance), self.balance, config.schedule, config.chunks,
+            [s.index for s in self.stages],
+        )
+
+    def _start_training(self, ties: list[Tie]) -> None:
+        """The state of training: the step across stages (fp16's loss scale, clipping), the
+        asynchronous pipeline's counters, tracing, progress, and a resumed checkpoint."""
+        config, world = self.config, self.world
+        device = self.stages[0].device
+        self.scaler = LossScaler(device=device) if config.loss_scaling else None
+        self._update: Update | None = None
+        if not self.schedule.asynchronous:  # every rank agrees on each step (update.py)
+            self._update = Update(
+                self.stages, config.clip_grad_norm, self.scaler,
+                {id(p): stages[0] for p, stages in ties}, world.sum_over_ranks,
+                world.placement.replicas, count=self.schedule.stages, nonfinite=config.nonfinite,
+            )
+        self._inflight = InFlight(self.schedule, self.chunks, world, self.stages)
+        recorders: list[Recorder | None] = (
+            world.recorders(self.schedule, self.save_trace) if config.trace
+            else [None] * len(self.transports)
+        )
+        self._runner = Runner(world, self.stages, self.chunks, self.timeout, recorders)
+        self._metrics = StepMetrics(world, config.progress, self._update)
+        self.step = 0  # training steps done (restored with a checkpoint)
+        self._checkpoints = checkpointing.Checkpoints()
+        self._unchecked_microbatch = config.planned_microbatch  # to compare with the first step's
+        if config.checkpoint_dir is not None and self.load(config.checkpoint_dir) is not None:
+            if world.placement.is_coordinator:  # said by default: a resume is no surprise
+                (config.progress or Progress()).note(
+                    f"pipetrain: resumed from step {self.step} of {config.checkpoint_dir}"
+                )
+
+    def save_trace(self, folder: str | os.PathLike[str] | None = None) -> list[Path]:
+        """Write this process's trace records (done at exit too when tracing)."""
+        folder = folder or self.config.trace
+        if folder is None:
+            raise ValueError("tracing is off: pass Pipeline(..., trace=DIR) or a folder here")
+        return self._runner.save_trace(Path(folder))
+
+    # -- the user's view --------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This process's layers (all of them in single-process mode), keyed as in the model:
+        one object for the pipeline's life. It refuses hooks, which would never run there;
+        hooks on ``pipe.stages[i].module`` run once per micro-batch on stage i."""
+        return self._layers
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def placement(self) -> Placement:
+        """Which pipeline ranks this process runs, of which replica (runtime/placement.py)."""
+        return self.world.placement
+
+    @property
+    def transports(self) -> list[Transport]:
+        """The links of each pipeline rank this process runs (pipetrain/runtime/transport.py)."""
+        return self.world.transports
+
+    def train_step(
+        self, x: microbatch.Batch | None, y: microbatch.Batch | None
+    ) -> torch.Tensor:
+        """Run one mini-batch through every micro-batch's forward and backward, then one
+        optimizer step per stage. Returns the mini-batch's mean loss on every rank, as a 0-d
+        float64 tensor on this rank's device: the step never waits for the device to know it;
+        reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``, a comparison) does.
+        A step whose loss or gradients are not finite on any stage is skipped on every rank
+        (see ``nonfinite``).
+
+        Under an asynchronous schedule it feeds the mini-batch into the pipeline and runs the
+        backwards (and updates) that are due, those of earlier mini-batches included, without
+        waiting for this one's to finish. The loss returned is still THIS mini-batch's mean loss:
+        the last stage has no lag, so every micro-batch fed here finishes its loss in this call
+        (computed with the weights each stage had, or was predicted to have, at its forward).
+        The last stage sends it on as soon as its last forward ends, so the other ranks wait for
+        that forward, not for the backwards behind it.
+
+        Args:
+            x: the mini-batch's input, a Tensor or a tuple of Tensors split along dimension 0
+                into ``chunks`` micro-batches. Only the first stage reads it: other ranks may
+                pass None.
+            y: the targets ``loss_fn`` compares the output with, split the same way; only the
+                last stage reads it (None elsewhere).
+
+        Returns:
+            The mini-batch's mean loss, the same on every rank (averaged over replicas), as a
+            0-d float64 tensor on this rank's device: reading it (``float(loss)``,
+            ``f"{loss:.3f}"``) waits for the device, the step itself does not.
+        """
+        self.config.check_trainable()
+        microbatch.check_batches(x, y)
+        batch = x if x is not None else y
+        if self._unchecked_microbatch is not None and batch is not None:
+            warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
+            self._unchecked_microbatch = None  # once: the first step's
+        lr = learning_rate(self.stages)  # the rate this step trains with
+        if self._update is not None:  # synchronous: the step's agreement carries the loss
+            value, stepped, step_time, executors = self._update.train(
+                self._runner, self.schedule, x, y, self.step + 1
+            )
+        else:
+            value, stepped, step_time, executors = self._inflight.train(
+                self._runner, x, y, self.step + 1
+            )
+        self.step += 1
+        self._metrics.record(
+            self.step, value, step_time, executors, self.stages, batch, {"lr": lr, **stepped}
+        )
+        for stage in self.stages:  # no stage runs now: capture what the step met first
+            if stage.graphs is not None:
+                stage.graphs.capture_pending()
+        every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
+        if folder is not None and every and self.step % every == 0:
+            self.save(folder)
+        return step_loss(value)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether micro-batches are still in the pipeline (asynchronous schedules only)."""
+        return self._inflight.active
+
+    def flush(self) -> None:
+        """Drain an asynchronous pipeline: run every in-flight micro-batch's backward and its
+        update, so that the weights are settled. Every rank calls it; a no-op when nothing is in
+        flight (always, for synchronous schedules). The next train_step warms up again. It
+        takes no arguments: it drains what earlier ``train_step`` calls left in flight.
+        """
+        if not self.in_flight:
+            return
+        self._runner.run(self._inflight.drain(), None, None, True, self._inflight.fed)
+        self._inflight.flushed()
+
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
+        every rank calls it (the first replica writes). A crash during the save leaves the
+        previous one whole. An asynchronous pipeline is flushed first. Saving again at the
+        step this pipeline last saved (or loaded) in ``folder``, with nothing trained since,
+        returns that checkpoint: e.g. a final save right after a periodic one.
+
+        Args:
+            folder: where the checkpoints live; each save adds one named by the step (the same
+                folder on every rank, shared when ranks run on several machines).
+
+        Returns:
+            The checkpoint written or found (``folder`` itself on replicas that do not write).
+        """
+        self.flush()
+        if self.world.placement.replica > 0:
+            return Path(folder)  # replicas hold the same state as the first
+        return self._checkpoints.save(
+            folder, self.step, self.stages, self.world.barrier,
+            self.world.placement.is_coordinator, self.num_stages, self.scaler,
+        )
+
+    def load(self, folder: str | os.PathLike[str]) -> int | None:
+        """Restore the newest checkpoint in ``folder`` (made under any balance); every rank
+        calls it. An asynchronous pipeline is flushed first.
+
+        Args:
+            folder: a folder ``save`` wrote checkpoints to.
+
+        Returns:
+            The step of the checkpoint restored (also ``self.step``), or None if there is none.
+        """
+        self.flush()  # an asynchronous pipeline settles before its weights are replaced
+        resumed = self._checkpoints.load(folder, self.stages, self.scaler)
+        if resumed is not None:
+            self.step = resumed
+            logger.info("resumed from step %d of %s", self.step, folder)
+        return resumed
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last step's metrics as numbers (see the class docstring). The step keeps its
+        device's figures (loss, gradient norm, skipped, loss scale) as tensors; the first read
+        after a step waits for the device once, and reports any skipped step not yet warned of."""
+        return self._metrics.read()
+
+    def eval_step(self, x: microbatch.Batch | None) -> microbatch.Batch | None:
+        """Forward only, in eval mode and without gradients. An asynchronous pipeline is
+        flushed first: evaluation sees settled weights.
+
+        Args:
+            x: the input, a Tensor or a tuple of Tensors split along dimension 0 into
+                ``chunks`` micro-batches; only the first stage reads it (None elsewhere).
+
+        Returns:
+            The model's output for the whole batch on the rank of the last stage (in one
+            process: here), None on other ranks.
+        """
+        microbatch.check_batches(x, None)
+        self.flush()
+        modes = [stage.module.training for stage in self.stages]
+        for stage in self.stages:
+            stage.module.eval()
+        try:
+            self._runner.run(self._evaluation, x, None, training=False)
+        finally:
+            for stage, mode in zip(self.stages, modes, strict=True):
+                stage.module.train(mode)
+        outputs = self._runner.outputs
+        return microbatch.gather(outputs) if outputs else None

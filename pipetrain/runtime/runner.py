@@ -1,0 +1,83 @@
+"""Running one action list on this process's ranks: the mini-batch split into micro-batches
+on the devices that read them, one executor per rank here, run by the World; a failure stops
+the pipeline for good (its stages are left mid-step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.errors import PipelineError
+from pipetrain.observe.progress import logger
+from pipetrain.observe.trace import Recorder
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.executor import Carry, Executor
+from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.world import World
+from schedules import Schedule
+
+
+class Runner:
+    """Runs lists of one schedule on ``stages`` (this process's, in stage order) in ``world``,
+    ``chunks`` micro-batches a mini-batch; ``recorders`` (one per rank here, or None) trace
+    the training lists."""
+
+    def __init__(
+        self, world: World, stages: Sequence[Stage], chunks: int, timeout: float,
+        recorders: list[Recorder | None],
+    ):
+        self.world, self.stages, self.chunks, self.timeout = world, list(stages), chunks, timeout
+        self.recorders = recorders
+        self._carry = [Carry() for _ in world.transports]  # per rank here, across calls
+        self.failed: str | None = None  # why the pipeline stopped, once it has
+        self.outputs: list[Any] = []  # the last rank's outputs of the last list run
+
+    def _split(self, value: object, what: str, device: torch.device) -> list[Any] | None:
+        if value is None:
+            return None
+        return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)  # type: ignore[arg-type]
+
+    def run(
+        self, schedule: Schedule, x: object, y: object, training: bool, base: int = 0,
+        losses_done: Callable[[], None] | None = None, loss_scale: float | torch.Tensor = 1.0,
+    ) -> list[Executor]:
+        """Run ``schedule`` (see Executor for ``base``, ``losses_done`` and ``loss_scale``);
+        the last rank's outputs land in ``outputs``. Returns the executors that ran."""
+        if self.failed:
+            raise PipelineError(
+                f"this pipeline stopped after a failure ({self.failed}); build a new one "
+                "(and reload a checkpoint) to go on"
+            )
+        first, last = self.stages[0], self.stages[-1]
+        inputs = self._split(x, "x", first.device) if first.is_first else None
+        targets = self._split(y, "y", last.device) if last.is_last else None
+        by_index = {stage.index: stage for stage in self.stages}
+        executors = [
+            Executor(
+                [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
+                self.timeout, training, recorder if training else None, base=base, carry=carry,
+                losses_done=losses_done, loss_scale=loss_scale,
+            )
+            for rank, transport, recorder, carry in zip(
+                self.world.placement.ranks, self.world.transports, self.recorders, self._carry,
+                strict=True,
+            )
+        ]
+        try:
+            self.outputs = self.world.run(executors, inputs, targets, training)
+            return executors
+        except Exception as error:
+            self.stop(error)
+            logger.error("pipeline failed: %s", self.failed)
+            raise
+
+    def save_trace(self, folder: Path) -> list[Path]:
+        """Write the recorders' records under ``folder``."""
+        return [r.save(folder) for r in self.recorders if r is not None]
+
+    def stop(self, error: Exception) -> None:
+        """Note that the pipeline stopped on ``error``: no list runs any more."""
+        self.failed = f"{type(error).__name__}: {error}"

@@ -1,0 +1,356 @@
+"""Where a pipeline's ranks run: every rank as a thread of this process, or one torchrun rank.
+
+``Pipeline`` talks to a :class:`World` and never asks which one it has. The World knows which
+pipeline ranks run here and on which devices, links them (a :class:`Transport` per rank here),
+runs their executors, reduces, gathers and waits across ranks, and says which replica this
+process trains. :class:`ThreadWorld` runs every rank here, rank r on ``devices[r]`` (a
+LocalHub, a thread pool); :class:`ProcessWorld` is one rank of a torchrun job (its process
+groups from pipetrain/runtime/placement.py, a DistributedTransport). A World speaks in pipeline
+ranks; which stages a rank holds is the schedule's business.
+"""
+
+from __future__ import annotations
+
+import atexit
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.errors import PeerError
+from pipetrain.observe.trace import Recorder, measure_clock_offset
+from pipetrain.runtime.agreement import check_same
+from pipetrain.runtime.data_parallel import GradientSync
+from pipetrain.runtime.distributed import local_device, quiet_io_threads
+from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.placement import Groups, Placement, join
+from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
+from schedules import Schedule, lookup
+
+SentLoss = tuple[torch.Tensor, "dist.Work | None"]  # a loss on its way to every rank
+RankTies = Sequence[tuple[nn.Parameter, tuple[int, ...]]]  # a shared weight, the ranks using it
+
+
+def pipeline_ranks(
+    schedule: str, stages: int, devices: Sequence[str | torch.device] | None,
+    group: dist.ProcessGroup | None, replicas: int | None,
+) -> int:
+    """How many ranks run the pipeline: one per stage, except for schedules that put several
+    stages on a rank, where the devices (or the processes of one replica) count them."""
+    if not lookup(schedule).multi_stage_per_rank:
+        if devices is not None and len(devices) != stages:
+            raise ValueError(
+                f"devices lists {len(devices)} devices for {stages} stages; give one "
+                "device per entry of balance"
+            )
+        return stages
+    if devices is not None:
+        ranks = len(devices)
+    elif dist.is_initialized():
+        ranks = max(dist.get_world_size(group) // (replicas or 1), 1)
+    else:
+        return stages  # join() explains that there is no process group
+    if stages % ranks or stages < ranks:
+        chunks = max(stages // ranks, 2)
+        raise ValueError(
+            f"{schedule} with {ranks} ranks x {chunks} chunks needs balance with "
+            f"{ranks * chunks} entries (a multiple of {ranks}, one per stage), got {stages}"
+        )
+    return ranks
+
+
+class World(ABC):
+    """The ranks of one pipeline replica as this process sees them. ``place`` settles
+    ``placement`` (the ranks here, the replica) and ``transports`` (one per rank here, in
+    ``placement.ranks``' order); the rest needs it done."""
+
+    placement: Placement
+    transports: list[Transport]
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout  # seconds any wait on another rank may take
+
+    @abstractmethod
+    def pipeline_ranks(self, schedule: str, stages: int) -> int:
+        """How many ranks run ``stages`` stages under ``schedule`` (see :func:`pipeline_ranks`)."""
+
+    @property
+    @abstractmethod
+    def placed(self) -> bool:
+        """Whether the ranks are known before ``place`` (devices given, or a process group)."""
+
+    @abstractmethod
+    def place(self, schedule: Schedule, tied_stages: Sequence[tuple[int, ...]]) -> None:
+        """Settle which ranks run here and link them; ``tied_stages`` lists, per weight shared
+        by several stages, those stages."""
+
+    @abstractmethod
+    def device(self, rank: int) -> torch.device:
+        """The device of rank ``rank`` (one that runs here)."""
+
+    @abstractmethod
+    def first_stage(self, schedule: Schedule) -> int | None:
+        """The first stage of this process's one rank; None where every rank runs here."""
+
+    @abstractmethod
+    def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
+        """Refuse to go on unless every rank built the same ``settings()`` (agreement.py)."""
+
+    @abstractmethod
+    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
+        """The all-reduces a stage stepping ``mine`` runs before each optimizer step."""
+
+    @abstractmethod
+    def run(
+        self, executors: list[Executor], inputs: Sequence[object] | None,
+        targets: Sequence[object] | None, training: bool,
+    ) -> list[Any]:
+        """Run one executor per rank here; return the last rank's outputs."""
+
+    @abstractmethod
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over every rank of every replica, in place."""
+
+    @abstractmethod
+    def share_loss(self, loss: torch.Tensor) -> SentLoss:
+        """Start handing the last rank's ``loss`` to every rank of the pipeline."""
+
+    @abstractmethod
+    def received_loss(self, sent: SentLoss) -> torch.Tensor:
+        """The loss ``share_loss`` sent, once here, averaged over replicas."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank of the pipeline gets here."""
+
+    @abstractmethod
+    def gather_per_rank(
+        self, bubbles: list[float], memory: list[float], peaks: dict[str, float]
+    ) -> tuple[list[float], list[float], dict[str, float]]:
+        """Each rank's bubble and peak memory, for the progress line (on every rank)."""
+
+    @abstractmethod
+    def recorders(
+        self, schedule: Schedule, at_exit: Callable[[], object]
+    ) -> list[Recorder | None]:
+        """One trace recorder per rank here; ``at_exit`` saves them where a process ends
+        without its caller saying so (a torchrun rank)."""
+
+
+class ThreadWorld(World):
+    """Every rank in this process, rank r a thread on ``devices[r]``, linked by a LocalHub. A
+    weight shared by stages is one tensor here, so no gradient crosses ranks but the
+    pipeline's own, and every reduction is the value itself."""
+
+    _hub: LocalHub
+
+    def __init__(self, devices: Sequence[str | torch.device], timeout: float):
+        super().__init__(timeout)
+        self.devices = list(devices)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pipeline_ranks(self, schedule: str, stages: int) -> int:
+        return pipeline_ranks(schedule, stages, self.devices, None, None)
+
+    @property
+    def placed(self) -> bool:
+        return True
+
+    def place(self, schedule: Schedule, tied_stages: Sequence[tuple[int, ...]]) -> None:
+        hub = LocalHub([torch.device(d) for d in self.devices])
+        for stages in tied_stages:
+            if len({hub.devices[schedule.rank_of(s)] for s in stages}) > 1:
+                raise ValueError(
+                    f"stages {list(stages)} share a weight but sit on different devices; "
+                    "put them on one device or untie the weight"
+                )
+        self.placement = Placement(tuple(range(schedule.ranks)))
+        self.transports = [hub.endpoint(r) for r in range(schedule.ranks)]
+        self._hub, self._pool = hub, ThreadPoolExecutor(schedule.ranks)
+
+    def device(self, rank: int) -> torch.device:
+        return self._hub.devices[rank]
+
+    def first_stage(self, schedule: Schedule) -> int | None:
+        return None
+
+    def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
+        """One process built every stage: nothing to compare."""
+
+    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
+        return []
+
+    def run(
+        self, executors: list[Executor], inputs: Sequence[object] | None,
+        targets: Sequence[object] | None, training: bool,
+    ) -> list[Any]:
+        """Each executor on a thread of its own (a new thread computes gradients whatever
+        the caller's grad mode); the first failure that is not a peer's reaction to another
+        is raised."""
+        assert self._pool is not None, "place() comes first"
+        futures = [self._pool.submit(e.run, inputs, targets) for e in executors]
+        errors = [f.exception() for f in futures]
+        root = next((e for e in errors if e and not isinstance(e, PeerError)), None)
+        if root or any(errors):
+            raise root or next(e for e in errors if e)
+        result: list[Any] = futures[-1].result()
+        return result
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def share_loss(self, loss: torch.Tensor) -> SentLoss:
+        return loss, None
+
+    def received_loss(self, sent: SentLoss) -> torch.Tensor:
+        return sent[0]
+
+    def barrier(self) -> None:
+        """Every rank is here."""
+
+    def gather_per_rank(
+        self, bubbles: list[float], memory: list[float], peaks: dict[str, float]
+    ) -> tuple[list[float], list[float], dict[str, float]]:
+        return bubbles, memory, peaks
+
+    def recorders(
+        self, schedule: Schedule, at_exit: Callable[[], object]
+    ) -> list[Recorder | None]:
+        return [Recorder(r, r, schedule) for r in range(schedule.ranks)]
+
+
+class ProcessWorld(World):
+    """This process as one rank of a torchrun job of ``ranks x replicas`` processes in
+    ``group`` (default: the whole world), after every rank agrees on the settings. Weights
+    shared across ranks are summed over those ranks; each rank's gradients are averaged over
+    its replicas."""
+
+    groups: Groups
+    rank: int  # the pipeline rank this process runs
+
+    def __init__(self, group: dist.ProcessGroup | None, replicas: int | None, timeout: float):
+        super().__init__(timeout)
+        self.group, self.replicas = group, replicas  # the group: every rank of every replica
+
+    def pipeline_ranks(self, schedule: str, stages: int) -> int:
+        return pipeline_ranks(schedule, stages, None, self.group, self.replicas)
+
+    @property
+    def placed(self) -> bool:
+        return dist.is_initialized()
+
+    def place(self, schedule: Schedule, tied_stages: Sequence[tuple[int, ...]]) -> None:
+        rank_sets = [tuple(sorted({schedule.rank_of(s) for s in ss})) for ss in tied_stages]
+        cross = [r for r in rank_sets if len(r) > 1]
+        with quiet_io_threads():
+            self.placement, self.groups = join(
+                self.group, schedule.ranks, self.replicas, cross, self.timeout
+            )
+        self.rank = self.placement.ranks[0]
+        self._device = local_device()
+        self._transport = DistributedTransport(
+            self.groups.pipeline, self.groups.global_ranks, self._device
+        )
+        self.transports = [self._transport]
+
+    def device(self, rank: int) -> torch.device:
+        return self._device
+
+    def first_stage(self, schedule: Schedule) -> int | None:
+        return schedule.stages_on(self.rank)[0]
+
+    def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
+        check_same(settings(), self.groups.pipeline, self.groups.global_ranks)
+
+    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
+        """One all-reduce per set of ranks sharing weights (summed over those ranks, averaged
+        over replicas), one over replicas for the rest."""
+        scale = 1.0 / self.placement.replicas
+        ids = {id(p) for p in mine}
+        syncs = []
+        for rank_set, group in self.groups.ties.items():
+            shared = [p for p, ranks in ties if id(p) in ids and ranks == rank_set]
+            if shared:
+                syncs.append(GradientSync(shared, group, scale, self.timeout))
+        ranks_of = {id(p): ranks for p, ranks in ties}
+        rest = [p for p in mine if len(ranks_of.get(id(p), ())) < 2]
+        if self.groups.replicas is not None and rest:
+            syncs.append(GradientSync(rest, self.groups.replicas, scale, self.timeout))
+        return syncs
+
+    def run(
+        self, executors: list[Executor], inputs: Sequence[object] | None,
+        targets: Sequence[object] | None, training: bool,
+    ) -> list[Any]:
+        """On this thread, with gradients on when training (a caller's no_grad would drop the
+        graph)."""
+        with torch.enable_grad() if training else nullcontext():
+            return executors[0].run(inputs, targets)
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        work = dist.all_reduce(value, group=self.group, async_op=True)
+        assert work is not None
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            self._transport.raise_failure(error)
+        return value
+
+    def share_loss(self, loss: torch.Tensor) -> SentLoss:
+        last = self.groups.global_ranks[-1]
+        return loss, dist.broadcast(loss, last, group=self.groups.pipeline, async_op=True)
+
+    def received_loss(self, sent: SentLoss) -> torch.Tensor:
+        """Raises PeerError (this rank's links broken) when the loss does not arrive."""
+        value, work = sent
+        assert work is not None
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+            if self.groups.replicas is not None:  # the mean over every replica's batch
+                dist.all_reduce(value, group=self.groups.replicas)
+                value /= self.placement.replicas
+        except RuntimeError as error:
+            try:
+                self._transport.raise_failure(error)
+            except PeerError as failure:
+                self._transport.abort(f"rank {self.rank} stopped: {failure}")
+                raise
+        return value
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.groups.pipeline)
+
+    def gather_per_rank(
+        self, bubbles: list[float], memory: list[float], peaks: dict[str, float]
+    ) -> tuple[list[float], list[float], dict[str, float]]:
+        mine = torch.tensor([bubbles[0], memory[0]], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in self.groups.global_ranks]
+        dist.all_gather(every, mine, group=self.groups.pipeline)
+        bubbles, memory = [float(t[0]) for t in every], [float(t[1]) for t in every]
+        ranks = self.groups.global_ranks
+        return bubbles, memory, {f"rank{r}": m for r, m in zip(ranks, memory, strict=True)}
+
+    def recorders(
+        self, schedule: Schedule, at_exit: Callable[[], object]
+    ) -> list[Recorder | None]:
+        """One recorder, its clock offset from the first rank's measured now."""
+        offset, latency = measure_clock_offset(self.groups.pipeline, self.groups.global_ranks)
+        recorder = Recorder(dist.get_rank(), self.rank, schedule, offset, latency)
+        atexit.register(at_exit)
+        return [recorder]
+
+
+def make_world(
+    devices: Sequence[str | torch.device] | None, group: dist.ProcessGroup | None,
+    replicas: int | None, timeout: float,
+) -> World:
+    """Every rank here on ``devices`` when given, else this process's rank of a torchrun job."""
+    if devices is not None:
+        return ThreadWorld(devices, timeout)
+    return ProcessWorld(group, replicas, timeout)
