@@ -166,8 +166,9 @@ class Executor:
         autocast keeps its casts until the outermost autocast region ends, and holding its
         nesting open across the call (without enabling autocast, so no backward runs under
         it) keeps them for every forward of the call. The casts are bit-identical to fresh
-        ones and the weights do not change within a call (``_do_step`` drops the casts before
-        an update), so results are unchanged; one cast per weight is kept alive instead of
+        ones and the weights do not change within a held call (a synchronous list steps after
+        it; asynchronous stages, which step inside their lists, read weight versions and hold
+        nothing), so results are unchanged; one cast per weight is kept alive instead of
         one per micro-batch in flight. Not with CUDA graphs (captured without the cache) or
         weight versions (each micro-batch reads weights of its own)."""
         hold = any(s.autocast_dtype is not None for s in self.stages.values()) and all(
@@ -410,7 +411,6 @@ class Executor:
         pipetrain/runtime/update.py steps it after the list (whether to step depends on every
         stage)."""
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
-            torch.clear_autocast_cache()  # the weights change: no cast of them may outlive it
             self.stages[action.stage].step()
             return
         self._finish_sends()
