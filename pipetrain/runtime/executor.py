@@ -10,7 +10,9 @@ against ``Kind`` at import); a compute method returns the sends its result feeds
 posts them. Overlap lives here and only here: a send is posted the moment the compute
 that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
-soon as their shapes are known. Every wait has a timeout and, on failure, names the peer, the
+soon as their shapes are known. The last backward of each stage but the first sends its input
+gradients before it computes its weight gradients, so that the pipeline's drain waits for no
+weight gradient but the first stage's. Every wait has a timeout and, on failure, names the peer, the
 micro-batch and this stage's position in its schedule.
 
 Shapes travel in a header before a boundary's first micro-batch of each call, since they may
@@ -139,6 +141,8 @@ class Executor:
             for s in self.stages
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
+        self._early = self._early_gradients() if training else {}
+        self._owed: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> W's key, see _do_send
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
@@ -159,6 +163,23 @@ class Executor:
         with self._weight_casts():
             self._run_actions()
         return self._outputs
+
+    def _early_gradients(self) -> dict[int, int]:
+        """Per stage, the micro-batch whose backward sends its input gradients before it
+        computes its weight gradients: the stage's last backward, for which the previous
+        stage (on another rank) waits to run its own last backward. Sending first takes the
+        weight-gradient half of the backward off the pipeline's drain, once per stage boundary
+        (the two halves cost about one whole backward when the forward was cut; the cuts are
+        made for this micro-batch only). Not where the schedule places W itself (zero bubble),
+        weights change between micro-batches (asynchronous), or a CUDA graph replays it."""
+        if self.schedule.splits_backward or self.schedule.asynchronous:
+            return {}
+        last = {a.stage: a.microbatch for a in self.actions if a.kind is Kind.BACKWARD}
+        return {
+            s: i for s, i in last.items()
+            if not self.stages[s].is_first and not self.schedule.local(s, s - 1)
+            and self.stages[s].graphs is None
+        }
 
     @contextmanager
     def _weight_casts(self) -> Iterator[None]:
@@ -361,7 +382,8 @@ class Executor:
                 raise ValueError("the last stage needs the target: pass y to train_step")
             target = self._targets[i]
         key = self.base + i
-        output = stage.forward(key, inputs, value, target, self.training)
+        cut = self._early.get(action.stage) == i
+        output = stage.forward(key, inputs, value, target, self.training, cut)
         if stage.is_last:
             if not self.training:
                 self._outputs.append(output)
@@ -399,12 +421,14 @@ class Executor:
             grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
         input_grads = stage.backward(self.base + i, grads, self.loss_scale)
         self.carry.in_flight.pop((action.stage, self.base + i), None)
+        if not self.schedule.splits_backward and stage.weights_pending(self.base + i):
+            self._owed[action.stage, i] = self.base + i  # input gradients first: _do_send
         if stage.is_first:
             return []
         return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
 
     def _do_weight(self, action: Action) -> None:
-        self.stages[action.stage].backward_weights(action.microbatch)
+        self.stages[action.stage].backward_weights(self.base + action.microbatch)
 
     def _do_step(self, action: Action) -> None:
         """An asynchronous stage steps here; a synchronous one gets its gradients ready, and
@@ -413,6 +437,9 @@ class Executor:
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
             self.stages[action.stage].step()
             return
+        for stage_index, i in list(self._owed):
+            if stage_index == action.stage:
+                self._pay_weights(stage_index, i)
         self._finish_sends()
         stage = self.stages[action.stage]
         for sync in stage.syncs:
@@ -440,7 +467,20 @@ class Executor:
 
     def _do_send(self, action: Action) -> None:
         """Already posted when the compute that made its tensors ended (see the module
-        docstring)."""
+        docstring). A backward that sent its input gradients first (:meth:`_early_gradients`)
+        computes its weight gradients here, while the gradients are in flight: its B span ends
+        when they leave, as a dependency-ordered trace has it, and this span holds the W."""
+        if action.kind is Kind.SEND_GRAD:
+            self._pay_weights(action.stage, action.microbatch)
+
+    def _pay_weights(self, stage: int, microbatch: int) -> None:
+        """The weight gradients a split backward of ``stage`` still owes, if any."""
+        key = self._owed.pop((stage, microbatch), None)
+        if key is None:
+            return
+        start = time.perf_counter()
+        self.stages[stage].backward_weights(key)
+        self.compute_time += time.perf_counter() - start
 
     def _carry_sends(self) -> None:
         """Asynchronous lists: a send may be received in the peer's NEXT call (a backward of

@@ -139,6 +139,13 @@ class Stage:
         # W per layer from its outputs' gradients needs each weight in one layer only; else
         # (and for recomputed micro-batches) W backpropagates the stage's outputs again.
         self._layer_weights = per_layer if distinct else None
+        # A layer with weights inside it (a transformer block) would have its insides
+        # backpropagated again by W; layers that hold their weights themselves (Linear, Conv,
+        # norms) need only their weight gradients there.
+        self._weights_at_top = distinct and not any(
+            p.requires_grad for layer in self.module for child in layer.children()
+            for p in child.parameters()
+        )
         self._weight_work: dict[int, list[_WeightWork]] = {}
         # Asynchronous schedules: which weights each micro-batch reads
         # (pipetrain/training/weights.py).
@@ -212,16 +219,22 @@ class Stage:
         value: object,
         target: object = None,
         training: bool = True,
+        cut: bool = False,
     ) -> object:
         """Run the slice on ``value`` (built from ``inputs``); return its output. In training,
         on the stage's random stream, stash what backward needs and on the last stage compute
-        the loss against ``target``."""
+        the loss against ``target``. ``cut``: where the weight gradients would cost no more
+        split off than in one backward (each layer holds its weights itself), cut the graph
+        after each layer (as a split backward does), so that this micro-batch's backward
+        returns its input gradients before computing its weight gradients (see
+        :meth:`backward`)."""
         self._at.position = 0
         if not training:  # eval mode draws nothing: no stream, no turn to wait for (rng.py)
             with self._reporting(self._forward_step, microbatch), torch.no_grad():
                 return self._run_and_score(value, None, score=False)
         with self._reporting(self._forward_step, microbatch), self.rng.forward() as start:
-            output, cuts = self._train_forward(microbatch, inputs, value, target, start)
+            cut = cut and self._weights_at_top
+            output, cuts = self._train_forward(microbatch, inputs, value, target, start, cut)
         if self.is_last:
             loss = cast(torch.Tensor, output)
             self.losses[microbatch] = loss.detach()
@@ -240,15 +253,18 @@ class Stage:
         value: object,
         target: object,
         start: State,
+        cut: bool = False,
     ) -> tuple[object, Cuts | None]:
-        """A training forward's output and, for a split backward, its layers' cuts. ``start``
-        is the random stream's state at its start, which a recomputation replays."""
+        """A training forward's output and, for a split backward (or ``cut``), its layers'
+        cuts. ``start`` is the random stream's state at its start, which a recomputation
+        replays."""
         # On the last stage the loss is part of the (possibly recomputed) work, so a
         # checkpointed micro-batch keeps nothing but its inputs.
         recomputed = microbatch < self.recompute_below
         cuts = None
-        if self.split_backward and not recomputed and self._layer_weights is not None:
-            cuts = Cuts(self._layer_weights)
+        layers = self._layer_weights if self.graphs is None else None  # a replay cuts nothing
+        if (self.split_backward or cut) and not recomputed and layers is not None:
+            cuts = Cuts(layers)
         work: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
         versions = self.versions
         if versions is not None:  # asynchronous: the weights this micro-batch reads
@@ -324,16 +340,20 @@ class Stage:
     ) -> list[torch.Tensor]:
         """Backpropagate micro-batch ``microbatch`` from its output gradients (on the last
         stage, from ``loss_scale``: fp16's); return the gradients of the inputs that the
-        previous stage asked for. Under ``split_backward`` only those: the weight gradients
-        wait for ``backward_weights``."""
+        previous stage asked for. Under ``split_backward``, and for a micro-batch whose
+        forward was cut whole, only those: its weight gradients wait for
+        ``backward_weights`` (:meth:`weights_pending` says so)."""
         stashed = self._stash.pop(microbatch)
         if self.versions is not None:
             return self._versioned_backward(microbatch, stashed, grads, loss_scale)
         outputs = [t for t in stashed.outputs if t.requires_grad]
         grads = self._output_grads(outputs, grads, microbatch, loss_scale)
         wanted = [x for x in stashed.inputs if x.requires_grad]
+        # outside a split-backward schedule, only a whole cut splits: W then costs no more
+        # than its share of one backward (an uncut W would backpropagate everything again)
+        split = self.split_backward or (stashed.cuts is not None and stashed.cuts.whole)
         with self._reporting("backward", microbatch):
-            if not self.split_backward:
+            if not split:
                 if outputs:
                     torch.autograd.backward(outputs, grads)
                 found = [x.grad for x in wanted]
@@ -342,7 +362,7 @@ class Stage:
                     found = [g.clone() if g is not None else None for g in found]
             else:
                 found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
-        if self.ledger and not self.split_backward:
+        if self.ledger and not split:
             self.ledger.release(microbatch)
         return [
             g if g is not None else torch.zeros_like(x)
@@ -429,6 +449,11 @@ class Stage:
                 torch.autograd.backward(tensors, grads, inputs=weights, retain_graph=True)
         if self.ledger:
             self.ledger.release(microbatch)  # the graph goes with ``work``
+
+    def weights_pending(self, microbatch: int) -> bool:
+        """Whether micro-batch ``microbatch``'s weight gradients wait for
+        :meth:`backward_weights` (its backward was split)."""
+        return microbatch in self._weight_work
 
     def zero_grad(self) -> None:
         self.losses.clear()
