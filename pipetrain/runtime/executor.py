@@ -11,9 +11,9 @@ posts them. Overlap lives here and only here: a send is posted the moment the co
 that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
 soon as their shapes are known. The last backward of each stage but the first sends its input
-gradients before it computes its weight gradients, so that the pipeline's drain waits for no
-weight gradient but the first stage's. Every wait has a timeout and, on failure, names the peer, the
-micro-batch and this stage's position in its schedule.
+gradients before it computes its weight gradients where that costs nothing extra, so that the
+pipeline's drain waits for fewer weight gradients. Every wait has a timeout and, on failure,
+names the peer, the micro-batch and this stage's position in its schedule.
 
 Shapes travel in a header before a boundary's first micro-batch of each call, since they may
 change between mini-batches. So that the first payload's receive need not wait for the header

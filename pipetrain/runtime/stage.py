@@ -232,8 +232,8 @@ class Stage:
         if not training:  # eval mode draws nothing: no stream, no turn to wait for (rng.py)
             with self._reporting(self._forward_step, microbatch), torch.no_grad():
                 return self._run_and_score(value, None, score=False)
+        cut = cut and self._weights_at_top
         with self._reporting(self._forward_step, microbatch), self.rng.forward() as start:
-            cut = cut and self._weights_at_top
             output, cuts = self._train_forward(microbatch, inputs, value, target, start, cut)
         if self.is_last:
             loss = cast(torch.Tensor, output)
