@@ -437,9 +437,6 @@ class Executor:
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
             self.stages[action.stage].step()
             return
-        for stage_index, i in list(self._owed):
-            if stage_index == action.stage:
-                self._pay_weights(stage_index, i)
         self._finish_sends()
         stage = self.stages[action.stage]
         for sync in stage.syncs:

@@ -126,3 +126,21 @@ def test_backwards_that_would_cost_more_split_stay_whole(
                  if a.kind is Kind.WEIGHT]
     weights = [(stage, mb) for stage, what, mb in log.events if what == "W"]
     assert len(weights) == STEPS * len(scheduled)  # the schedule's own W actions, no more
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_and_clipping_give_what_the_whole_backward_gives(monkeypatch, precision):
+    """Under autocast, a loss scale and a clip the split computes the same products as the
+    whole backward: the parameters agree to 1e-6 (fp32 master weights; measured: equal) with
+    the same pipeline whose split is off, itself checked against one process elsewhere
+    (test_training_options.py: bf16 to its rounding, fp16 with a clip within 1e-5)."""
+    options = dict(precision=precision, clip_grad_norm=0.5)
+    with monkeypatch.context() as off:
+        off.setattr(Executor, "_early_gradients", lambda self: {})
+        whole = _train(mlp(), [6, 6], batches(STEPS), **options)
+    log = Log(monkeypatch)
+    split = _train(mlp(), [6, 6], batches(STEPS), **options)
+    assert [what for _, what, _ in log.events].count("W") == STEPS  # the split did run
+    for key, value in whole["state"].items():
+        assert (split["state"][key] - value).abs().max().item() <= 1e-6, key
+    assert split["losses"] == pytest.approx(whole["losses"], abs=1e-6)
