@@ -20,8 +20,10 @@ auto``; elsewhere fp32, since emulated bf16 is several times slower). The pipeli
 checkpoint in ``--checkpoint-dir`` at the start, every ``--checkpoint-every`` steps and at the
 end; when torchrun restarts the job (``--max-restarts``) after a rank died, or with
 ``--resume``, it resumes from the newest one, on the batches an uninterrupted run would see
-(pipetrain/checkpoints/restart.py). At the end every rank evaluates the held-out loss, and the
-first rank consolidates the checkpoint into one model and prints a sample of generated text.
+(pipetrain/checkpoints/restart.py). A folder that holds an earlier run's checkpoints is
+refused unless ``--resume`` or ``--fresh`` (a new run beside them; they are kept). At the end
+every rank evaluates the held-out loss, and the first rank consolidates the checkpoint into
+one model and prints a sample of generated text.
 ``--single-process`` trains the same model on the same batches in one process with plain
 PyTorch (torch.nn.utils.clip_grad_norm_, torch.autocast): the reference for the pipelined run.
 """
@@ -81,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="resume from the newest checkpoint in --checkpoint-dir (automatic "
                         "when torchrun restarts the job)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run in a --checkpoint-dir that holds an earlier run's "
+                        "checkpoints, keeping them (without it, or --resume, such a folder is "
+                        "refused)")
     parser.add_argument("--single-process", action="store_true",
                         help="train without a pipeline, in this process")
     parser.add_argument("--no-sample", action="store_true", help="skip the generated text")
@@ -88,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    if args.single_process and (args.plan or args.schedule or args.stages or args.resume):
-        parser.error("--single-process runs no pipeline: leave out --plan, --schedule, --stages "
-                     "and --resume")
+    if args.single_process and (args.plan or args.schedule or args.stages or args.resume
+                                or args.fresh):
+        parser.error("--single-process runs no pipeline: leave out --plan, --schedule, --stages, "
+                     "--resume and --fresh")
     if args.stages is not None and args.stages < 1:
         parser.error(f"--stages must be at least 1, got {args.stages}")
     if args.precision == "auto":
@@ -252,6 +259,10 @@ def train_steps(pipe: pipetrain.Pipeline, args: argparse.Namespace, train: torch
 
 
 def train_pipelined(args: argparse.Namespace) -> None:
+    try:  # before any rank profiles or trains: an earlier run's checkpoints are kept
+        pipetrain.check_start(args.checkpoint_dir, args.resume, args.fresh)
+    except (pipetrain.CheckpointError, ValueError) as error:
+        raise SystemExit(f"train_gpt.py: {error}") from None
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
     model = build_model(args, device="meta")  # no rank builds the whole model
@@ -267,7 +278,7 @@ def train_pipelined(args: argparse.Namespace) -> None:
         loss_fn=lm_loss, optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
         clip_grad_norm=args.clip, precision=args.precision, init_seed=args.seed,
     )
-    resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume)
+    resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume, args.fresh)
     train, held = load_corpus()
     held_out = held_out_batches(held, eval_batch(args), args.context)
     if rank == 0:

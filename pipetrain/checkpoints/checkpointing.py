@@ -3,7 +3,7 @@
 Layout of ``folder``::
 
     latest                      the name of the newest complete checkpoint (replaced atomically)
-    step-00000010/manifest.json format, step, stage count, every stage's parameter keys
+    step-00000010/manifest.json format, step, stage count, the run that saved it
     step-00000010/stage-0.pt    stage 0: module state, optimizer state by parameter name, RNG,
                                 the LR schedule's state and fp16's loss scale (if any)
 
@@ -15,7 +15,12 @@ naming it. Loading reads only with ``torch.load(weights_only=True)``.
 Resuming takes the checkpoint ``latest`` names if it is complete, else the newest complete one
 (with a warning); a folder with step folders but no complete checkpoint is refused, never
 silently trained over from step 0. A damaged stage file is refused naming it and the newest
-intact checkpoint. Pruning never removes a checkpoint saved after the one a run resumed from.
+intact checkpoint.
+
+Each run has an identity, recorded in the manifest of every checkpoint it saves; a run resumed
+from a checkpoint takes on its identity (it goes on with that run). Pruning removes only the
+pruning run's own older checkpoints: never another run's (nor one without an identity, from an
+older pipetrain), never one saved after the checkpoint the run resumed from.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import pickle
 import random
 import re
 import shutil
+import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
@@ -119,10 +125,13 @@ def save(
     num_stages: int,
     scaler: LossScaler | None = None,
     protect: Collection[str] = (),
+    run: str | None = None,
 ) -> Path:
     """Write a checkpoint of ``stages`` (this process's) at ``step``. Every process of the
-    pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes and
-    prunes old checkpoints, never those named in ``protect``."""
+    pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes it as
+    a checkpoint of ``run`` (a fresh identity when None) and prunes that run's old
+    checkpoints, never those named in ``protect``."""
+    run = run or new_run()
     root = Path(folder)
     final = _fresh_name(root, step)
     partial = final.with_name(final.name + ".partial")
@@ -152,23 +161,41 @@ def save(
         files = sorted(partial.glob("stage-*.pt"))
         if len(files) != num_stages:
             raise RuntimeError(f"checkpoint {partial} has {len(files)} of {num_stages} stage files")
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "stages": num_stages}
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": step, "stages": num_stages, "run": run,
+        }
         _write_atomically(partial / "manifest.json", lambda p: p.write_text(json.dumps(manifest)))
         os.replace(partial, final)
         _fsync_dir(root)
         _write_atomically(root / "latest", lambda p: p.write_text(final.name))
-        _prune(root, final, protect)
+        _prune(root, final, protect, run)
     barrier()
     return final
 
 
-def _prune(root: Path, keep: Path, protect: Collection[str]) -> None:
-    """Remove all but the KEEP most recently saved checkpoints, never ``keep`` (the one
-    ``latest`` names), and every other checkpoint of ``keep``'s step, which it supersedes (a
-    step saved again leaves one checkpoint of it). Save order is the manifests' write order,
-    not the step number: a run restarted from scratch saves small steps after large ones.
-    Never those in ``protect`` (saved after the one this run resumed from)."""
-    complete = _complete(root)
+def new_run() -> str:
+    """A fresh run identity."""
+    return uuid.uuid4().hex
+
+
+def run_of(path: Path) -> str | None:
+    """The identity of the run that saved the checkpoint at ``path`` (None: unknown, e.g. an
+    older pipetrain's checkpoint, or an unreadable manifest)."""
+    try:
+        run = json.loads((path / "manifest.json").read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def _prune(root: Path, keep: Path, protect: Collection[str], run: str) -> None:
+    """Remove all but the KEEP most recently saved checkpoints of ``run``, never ``keep`` (the
+    one ``latest`` names), and every other checkpoint of ``run`` at ``keep``'s step, which it
+    supersedes (a step saved again leaves one checkpoint of it). Save order is the manifests'
+    write order, not the step number: a run restarted from scratch saves small steps after
+    large ones. Never another run's checkpoints, nor those in ``protect`` (saved after the one
+    this run resumed from)."""
+    complete = [p for p in _complete(root) if run_of(p) == run]
     step = keep.name.partition(".")[0]
     superseded = [p for p in complete if p != keep and p.name.partition(".")[0] == step]
     complete = [p for p in complete if p not in superseded]
@@ -413,13 +440,15 @@ def _restore_stage(
 
 
 class Checkpoints:
-    """What a pipeline knows of its own checkpoints: the step and checkpoint it last saved or
-    loaded (saving that step again in the same folder returns it), and the checkpoints saved
-    after the one it resumed from (kept from pruning)."""
+    """What a pipeline knows of its own checkpoints: its run's identity (fresh, or that of the
+    checkpoint it resumed from), the step and checkpoint it last saved or loaded (saving that
+    step again in the same folder returns it), and the checkpoints saved after the one it
+    resumed from (kept from pruning)."""
 
     def __init__(self) -> None:
         self.protected: frozenset[str] = frozenset()
         self.last: tuple[int, Path] | None = None
+        self.run = new_run()  # this run's identity: only the coordinator's is ever written
 
     def save(
         self, folder: str | os.PathLike[str], step: int, stages: Sequence[Stage],
@@ -433,7 +462,10 @@ class Checkpoints:
             same = saved == step and path.parent.resolve() == Path(folder).resolve()
             if same and (path / "manifest.json").is_file():
                 return path
-        path = save(folder, step, stages, barrier, coordinator, num_stages, scaler, self.protected)
+        path = save(
+            folder, step, stages, barrier, coordinator, num_stages, scaler, self.protected,
+            self.run,
+        )
         self.last = (step, path)
         return path
 
@@ -447,4 +479,5 @@ class Checkpoints:
         step, path = resumed
         self.protected = saved_after(path)
         self.last = (step, path)
+        self.run = run_of(path) or self.run  # this run goes on with the one it resumed
         return step

@@ -1,17 +1,25 @@
-"""Starting a run fresh or resuming it: the rule that torchrun's restarts need.
+"""Starting a run fresh or resuming it: the rule that torchrun's restarts need, and the one that
+keeps an earlier run's checkpoints.
 
 torchrun's ``--max-restarts`` starts every process of the job again after one fails, with the
 same command line; only ``TORCHELASTIC_RESTART_COUNT`` tells the attempts apart. A restarted
-attempt must resume from the newest checkpoint; a first attempt starts fresh even when the
-folder holds an older run's checkpoints, and saves its step 0 there at once, so that a restart
-before its first periodic save resumes this run, not the older one.
+attempt must resume from the newest checkpoint. A first attempt resumes when asked to; else it
+starts a new run at step 0 and saves that step at once, so that a restart before its first
+periodic save resumes this run, not an older one. A new run into a folder that already holds
+checkpoints is refused unless asked for (``fresh``): it would train from step 0 beside them, and
+the user more likely meant to resume them or to use another folder. Asked for, the new run
+keeps them (pruning removes only a run's own checkpoints, pipetrain/checkpoints/checkpointing.py).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pipetrain.checkpoints.checkpointing import latest
+from pipetrain.errors import CheckpointError
 
 if TYPE_CHECKING:
     from pipetrain.runtime.pipeline import Pipeline
@@ -22,12 +30,37 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
+def check_start(folder: str | os.PathLike[str], resume: bool = False, fresh: bool = False) -> None:
+    """Refuse, before anything is trained, a new run (neither ``resume`` nor ``fresh``, nor a
+    torchrun restart) into a ``folder`` that holds checkpoints: a CheckpointError naming the
+    folder, its newest checkpoint and the three ways on."""
+    if resume and fresh:
+        raise ValueError("resume and fresh exclude each other: resume the run in the folder, or "
+                         "start a fresh one beside it")
+    if resume or fresh or restarted():
+        return
+    with warnings.catch_warnings():  # a missing ``latest`` pointer: resuming warns of it
+        warnings.simplefilter("ignore")
+        newest = latest(folder) if Path(folder).is_dir() else None
+    if newest is None:
+        return
+    raise CheckpointError(
+        f"{folder} holds checkpoints of an earlier run (the newest: {newest.name}); a new run "
+        "would train from step 0 beside them. Resume that run (--resume, or resume=True), "
+        "start a new one that keeps them (--fresh, or fresh=True; each run prunes only its own "
+        "checkpoints), or pass another --checkpoint-dir"
+    )
+
+
 def start_or_resume(
-    pipe: Pipeline, folder: str | os.PathLike[str], resume: bool = False
+    pipe: Pipeline, folder: str | os.PathLike[str], resume: bool = False, fresh: bool = False
 ) -> int | None:
     """Resume ``pipe`` from the newest checkpoint in ``folder`` when ``resume`` is set or
     torchrun restarted the job, and return its step (None when the folder holds none yet);
-    otherwise start fresh at step 0 and save that step in ``folder``. Every rank calls it."""
+    otherwise start a new run at step 0 and save that step in ``folder``, refused
+    (:func:`check_start`) where the folder holds checkpoints unless ``fresh``. Every rank
+    calls it."""
+    check_start(folder, resume, fresh)
     if resume or restarted():
         return pipe.load(folder)
     Path(folder).mkdir(parents=True, exist_ok=True)

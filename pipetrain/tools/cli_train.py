@@ -42,6 +42,10 @@ def add_train_command(
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between saves")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds an earlier run's "
+                   "checkpoints (they are kept: a run prunes only its own); without it, or "
+                   "--resume, such a folder is refused")
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     p.add_argument("--nproc", type=int, help="processes to start (default: the plan's ranks; a "
                    "multiple of them adds replicas)")
@@ -56,6 +60,11 @@ def _check(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir (the folder to resume from)")
+    if args.fresh and args.checkpoint_dir is None:
+        raise ValueError("--fresh needs --checkpoint-dir (the folder to start a new run in)")
+    if args.resume and args.fresh:
+        raise ValueError("--resume and --fresh exclude each other: resume the run in "
+                         "--checkpoint-dir, or start a new one beside it")
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to save)")
     return Plan.load(args.plan), json_kwargs(args.kwargs)
@@ -79,6 +88,10 @@ def cmd_train(args: argparse.Namespace, import_factory: ImportFactory) -> int:
 
     if not under_torchrun():
         _task(args.task, factory, kwargs, plan, args.nproc or plan.pipeline_ranks)
+        if args.checkpoint_dir is not None:  # an earlier run's checkpoints: refused here
+            from pipetrain.checkpoints.restart import check_start
+
+            check_start(args.checkpoint_dir, args.resume, args.fresh)
         return _launch(args, plan)
     from pipetrain.runtime.distributed import init_distributed, shutdown
     from pipetrain.tools.task import Run, train
@@ -86,7 +99,7 @@ def cmd_train(args: argparse.Namespace, import_factory: ImportFactory) -> int:
     rank, world = init_distributed()
     task = _task(args.task, factory, kwargs, plan, world)
     run = Run(args.steps, args.checkpoint_dir, args.checkpoint_every, args.resume,
-              args.log_every)
+              args.log_every, args.fresh)
     loss = train(task, plan, run, world, rank)
     if rank == 0:
         ending = f", last loss {loss:.4f}" if loss is not None else " (nothing left to train)"

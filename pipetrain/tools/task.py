@@ -77,6 +77,7 @@ class Run:
     checkpoint_every: int = 0
     resume: bool = False
     log_every: int = 10
+    fresh: bool = False  # a new run beside an earlier run's checkpoints in checkpoint_dir
 
 
 def check_batch(x: Batch, y: Batch, step: int, expected: int, plan: Plan, replicas: int) -> None:
@@ -103,7 +104,7 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
     pipe = Pipeline(task.model, plan=plan, loss_fn=task.loss_fn, optimizer=task.optimizer,
                     replicas=replicas, **task.options)
     folder = run.checkpoint_dir
-    resumed = start_or_resume(pipe, folder, run.resume) if folder is not None else None
+    resumed = start_or_resume(pipe, folder, run.resume, run.fresh) if folder is not None else None
     if rank == 0 and resumed is not None:
         print(f"resumed from step {resumed} of {folder}", flush=True)
     expected = plan.microbatches * plan.microbatch_size * replicas

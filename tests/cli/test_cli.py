@@ -447,6 +447,25 @@ def test_train_refuses_before_starting_processes(task_plan, capsys, extra, messa
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_train_never_deletes_an_earlier_runs_checkpoints(task_plan, tmp_path, capsys):
+    """The README's `pipetrain train ... --steps 40`, then `--steps 10` in the same folder:
+    refused before any process starts (the step-40 checkpoint stays); with --fresh a new run
+    trains beside the old checkpoints and prunes only its own (real torchrun runs)."""
+    module, plan = task_plan
+    folder = tmp_path / "ckpt"
+    train = f"train {module}:task --plan {plan} --checkpoint-dir {folder}"
+    steps = lambda: sorted(p.name for p in folder.iterdir() if p.is_dir())  # noqa: E731
+    assert run(f"{train} --steps 4", capsys)[0] == 0
+    assert steps() == ["step-00000000", "step-00000004"]
+    code, _, err = run(f"{train} --steps 2", capsys)
+    assert code == 2 and f"{folder} holds checkpoints of an earlier run (the newest: " \
+        "step-00000004)" in err and "--resume" in err and "--fresh" in err, err
+    assert run(f"{train} --steps 2 --fresh --checkpoint-every 1", capsys)[0] == 0
+    assert steps() == ["step-00000000", "step-00000001", "step-00000002", "step-00000004"]
+    code, _, err = run(f"{train} --steps 2 --fresh --resume", capsys)
+    assert code == 2 and "--resume and --fresh exclude each other" in err, err
+
+
 def test_train_refuses_a_function_that_returns_no_task(task_plan, capsys):
     module, plan = task_plan
     code, _, err = run(f"train {module}:not_a_task --plan {plan} --steps 2", capsys)

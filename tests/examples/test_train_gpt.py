@@ -211,3 +211,48 @@ def test_stages_that_do_not_divide_the_world_are_refused():
     with pytest.raises(SystemExit, match=r"--batch 12 does not split into 2 replica\(s\) x 4 "
                        r"micro-batches: pass a multiple of 8"):
         train_gpt.batch_layout(args, None, 2)
+
+
+def test_a_new_run_into_an_earlier_runs_folder_is_refused(tmp_path):
+    """The README's first command leaves steps 250 and 300 in gpt-checkpoint; a second run
+    there (`--steps 20 --schedule zb-h1`) is refused before any rank starts, naming the folder
+    and the ways on, and the checkpoints stay."""
+    pipe = pipetrain.Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], devices=["cpu"])
+    for step in (250, 300):
+        pipe.step = step
+        pipe.save(tmp_path)
+    train_gpt = example_module()
+    args = train_gpt.parse_args(["--steps", "20", "--no-sample", "--schedule", "zb-h1",
+                                 "--checkpoint-dir", str(tmp_path)])
+    refused = (rf"train_gpt.py: {tmp_path} holds checkpoints of an earlier run \(the newest: "
+               r"step-00000300\).*--resume.*--fresh.*another --checkpoint-dir")
+    with pytest.raises(SystemExit, match=refused):
+        train_gpt.train_pipelined(args)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step-00000250", "step-00000300"
+    ]
+
+
+@pytest.mark.slow  # two torchrun runs of the tiny GPT, ~30 s
+def test_the_readme_runs_in_order_lose_no_checkpoint(tmp_path):
+    """A first run, then a second of another schedule into the same folder: refused as it
+    stands (exit status 1, the first run's checkpoints untouched); with --fresh it trains and
+    prunes only its own checkpoints."""
+    folder = tmp_path / "ckpt"
+    pipelined(folder, "--no-sample", "--checkpoint-every", "2")
+    first = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    assert first == ["step-00000002", "step-00000004"]
+    again = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPT), *TINY,
+         *BATCH, "--checkpoint-dir", str(folder), "--steps", "2", "--schedule", "zb-h1"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert again.returncode != 0 and "holds checkpoints of an earlier run" in again.stderr
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == first
+    log = pipelined(folder, "--no-sample", "--steps", "2", "--schedule", "zb-h1", "--fresh")
+    assert "trained 2 steps" in log, log
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [
+        "step-00000000", "step-00000002", "step-00000002.0001", "step-00000004"
+    ]

@@ -116,6 +116,64 @@ def test_a_step_saved_again_after_its_checkpoint_was_removed_is_written(tmp_path
     assert elsewhere.parent == tmp_path / "other" and (elsewhere / "manifest.json").is_file()
 
 
+def _save_at(pipe: pipetrain.Pipeline, folder, *steps: int) -> None:
+    for step in steps:
+        pipe.step = step
+        pipe.save(folder)
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+def test_a_new_run_never_prunes_an_earlier_runs_checkpoints(tmp_path):
+    """The README's 300-step run leaves steps 250 and 300; a new run saving into the same
+    folder (its step 0 included, which the earlier run also saved) prunes only its own."""
+    _save_at(pipeline(mlp(), [6, 6]), tmp_path, 0, 250, 300)  # KEEP=2: its step 0 goes
+    assert _names(tmp_path) == ["step-00000250", "step-00000300"]
+    _save_at(pipeline(mlp(), [6, 6]), tmp_path, 250, 0, 10, 20)
+    assert _names(tmp_path) == [
+        "step-00000010", "step-00000020", "step-00000250", "step-00000300",
+    ]
+    assert checkpointing.latest(tmp_path).name == "step-00000020"
+    runs = {checkpointing.run_of(tmp_path / name) for name in _names(tmp_path)}
+    assert len(runs) == 2 and None not in runs
+
+
+def test_a_resumed_run_prunes_the_checkpoints_of_the_run_it_goes_on_with(tmp_path):
+    _save_at(pipeline(mlp(), [6, 6]), tmp_path, 1, 2)
+    again = pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path)
+    assert again.step == 2
+    _save_at(again, tmp_path, 3, 4)
+    assert _names(tmp_path) == ["step-00000003", "step-00000004"]
+
+
+def test_checkpoints_without_a_run_are_never_pruned(tmp_path):
+    """An older pipetrain's checkpoints name no run: nobody can tell they are its own."""
+    _save_at(pipeline(mlp(), [6, 6]), tmp_path, 7)
+    manifest = tmp_path / "step-00000007" / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
+                                    if k != "run"}))
+    again = pipeline(mlp(), [6, 6], checkpoint_dir=tmp_path)
+    _save_at(again, tmp_path, 8, 9, 10)
+    assert _names(tmp_path) == ["step-00000007", "step-00000009", "step-00000010"]
+
+
+def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_asked(tmp_path):
+    _save_at(pipeline(mlp(), [6, 6]), tmp_path, 30, 40)
+    refused = (rf"{tmp_path} holds checkpoints of an earlier run \(the newest: step-00000040\)"
+               r".*--resume.*--fresh.*another --checkpoint-dir")
+    with pytest.raises(pipetrain.CheckpointError, match=refused):
+        pipetrain.start_or_resume(pipeline(mlp(), [6, 6]), tmp_path)
+    assert _names(tmp_path) == ["step-00000030", "step-00000040"]
+    assert pipetrain.start_or_resume(pipeline(mlp(), [6, 6]), tmp_path, resume=True) == 40
+    assert pipetrain.start_or_resume(pipeline(mlp(), [6, 6]), tmp_path, fresh=True) is None
+    assert _names(tmp_path) == ["step-00000000", "step-00000030", "step-00000040"]
+    with pytest.raises(ValueError, match="resume and fresh exclude each other"):
+        pipetrain.check_start(tmp_path, resume=True, fresh=True)
+    pipetrain.check_start(tmp_path / "new")  # no folder yet: a new run
+
+
 def _train_in_processes(rank: int, world: int, folder: str | None, steps: int):
     """Train (resuming from ``folder`` if it holds a checkpoint) up to ``steps`` steps."""
     balance = [4, 8] if world == 2 else [3, 3, 3, 3]
