@@ -258,7 +258,10 @@ class Executor:
         if not self.actions:
             return
         place = excerpt(self.schedule, self.rank, self._position)
-        error.add_note(place)
+        notes = getattr(error, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = error.__notes__ = []
+        notes.append(place)
         logger.error("%s failed:\n%s", self._where(), place)
 
     def _where(self) -> str:
