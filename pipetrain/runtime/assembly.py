@@ -62,7 +62,7 @@ def assemble(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
         checkpoint=config.checkpoint, replicas=world.placement.replicas,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
-        **source.settings(),
+        check_batches=config.check_batches, **source.settings(),
     ))
     if schedule.asynchronous and (ties or world.placement.replicas > 1):
         raise ValueError(

@@ -88,6 +88,7 @@ class PipelineConfig:
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
     cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/runtime/cuda_graphs.py)
+    check_batches: bool = True  # the ranks compare their first step's batches
 
     def stage_checkpoint(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
@@ -161,6 +162,7 @@ class PipelineConfig:
         delay_compensation: str | DelayCompensation | None = AUTO,
         cuda_graphs: bool | str = False,
         nonfinite: str = "skip",
+        check_batches: bool = True,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = planned_microbatch = None
@@ -213,7 +215,7 @@ class PipelineConfig:
             progress=progress_option(progress),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
-            cuda_graphs=graphs,
+            cuda_graphs=graphs, check_batches=bool(check_batches),
         )
 
 

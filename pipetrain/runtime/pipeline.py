@@ -23,7 +23,7 @@ from pipetrain.checkpoints import checkpointing
 from pipetrain.observe.metrics import StepMetrics
 from pipetrain.observe.progress import Progress, logger
 from pipetrain.observe.trace import Recorder
-from pipetrain.runtime import microbatch
+from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
@@ -150,6 +150,10 @@ class Pipeline:
             gradients are not finite on any stage, on every rank, leaving the weights, the
             optimizer state and the learning-rate schedule as they were, with a warning naming
             the step and the stages; "raise" raises NonFiniteError instead.
+        check_batches: on the first step, and the first after a resume, the ranks compare
+            the batches they were given (batch sizes, and a fingerprint of each ``x`` and
+            ``y`` given to more than one rank; pipetrain/runtime/batch_agreement.py) and refuse
+            different ones on every rank (default True). Later steps are not checked.
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
     ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
@@ -198,6 +202,7 @@ class Pipeline:
         init: InitFn | None = None,
         weights: str | os.PathLike[str] | None = None,
         nonfinite: str = "skip",
+        check_batches: bool = True,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -207,7 +212,7 @@ class Pipeline:
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
             delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, check_batches=check_batches,
         )
         source = LayerSource(init_seed, init, weights)
         source.check(model)
@@ -257,6 +262,7 @@ class Pipeline:
         self.step = 0  # training steps done (restored with a checkpoint)
         self._checkpoints = checkpointing.Checkpoints()
         self._unchecked_microbatch = config.planned_microbatch  # to compare with the first step's
+        self._unchecked_batch = config.check_batches  # the ranks compare the next step's batch
         if config.checkpoint_dir is not None and self.load(config.checkpoint_dir) is not None:
             if world.placement.is_coordinator:  # said by default: a resume is no surprise
                 (config.progress or Progress()).note(
@@ -324,6 +330,10 @@ class Pipeline:
             ``f"{loss:.3f}"``) waits for the device, the step itself does not.
         """
         self.config.check_trainable()
+        if self._unchecked_batch:  # every rank gathers before any can refuse its own batch
+            summaries = self.world.gather_objects(batch_agreement.summarize(x, y))
+            batch_agreement.check(summaries, self.world.placement.ranks[0])
+            self._unchecked_batch = False
         microbatch.check_batches(x, y)
         batch = x if x is not None else y
         if self._unchecked_microbatch is not None and batch is not None:
@@ -402,6 +412,7 @@ class Pipeline:
         resumed = self._checkpoints.load(folder, self.stages, self.scaler)
         if resumed is not None:
             self.step = resumed
+            self._unchecked_batch = self.config.check_batches  # a resumed run's data, checked
             logger.info("resumed from step %d of %s", self.step, folder)
         return resumed
 

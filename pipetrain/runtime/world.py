@@ -136,6 +136,11 @@ class World(ABC):
         """Each rank's bubble and peak memory, for the progress line (on every rank)."""
 
     @abstractmethod
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every process's ``value`` (picklable), one per process of the pipeline in pipeline
+        rank order, on every rank; ``value`` itself where every rank runs here."""
+
+    @abstractmethod
     def recorders(
         self, schedule: Schedule, at_exit: Callable[[], object]
     ) -> list[Recorder | None]:
@@ -218,6 +223,9 @@ class ThreadWorld(World):
         self, bubbles: list[float], memory: list[float], peaks: dict[str, float]
     ) -> tuple[list[float], list[float], dict[str, float]]:
         return bubbles, memory, peaks
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        return [value]
 
     def recorders(
         self, schedule: Schedule, at_exit: Callable[[], object]
@@ -335,6 +343,11 @@ class ProcessWorld(World):
         bubbles, memory = [float(t[0]) for t in every], [float(t[1]) for t in every]
         ranks = self.groups.global_ranks
         return bubbles, memory, {f"rank{r}": m for r, m in zip(ranks, memory, strict=True)}
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        every: list[Any] = [None] * len(self.groups.global_ranks)
+        dist.all_gather_object(every, value, group=self.groups.pipeline)
+        return every
 
     def recorders(
         self, schedule: Schedule, at_exit: Callable[[], object]
