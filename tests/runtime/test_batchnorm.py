@@ -100,3 +100,51 @@ def test_a_second_pipeline_of_the_same_model_converts_with_its_own_chunks():
         assert torch.allclose(got[key].float(), want[key].float(), atol=1e-5), key
         assert torch.equal(buffers(model)[key], got[key]), f"{key} is not the model's own"
     assert type(model[0]) is nn.BatchNorm2d
+
+
+def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items() if k not in buffers(module)}
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_training_normalizes_each_micro_batch_as_the_readme_says(deferred):
+    """The README's caveat: with BatchNorm and chunks > 1 the weights are those of one process
+    accumulating gradients over the same micro-batches (1e-6: only the order of sums differs),
+    not those of one process fed the whole mini-batch; deferred_batch_norm changes only the
+    running statistics."""
+    x, y = data(0)
+    pipe = pipeline(conv_model(False), [3, 3], chunks=4, deferred_batch_norm=deferred)
+    pipe.train_step(x, y)
+    whole, accumulated = conv_model(False), conv_model(False)
+    micro = list(zip(x.chunk(4), y.chunk(4), strict=True))
+    for model, parts in ((whole, [(x, y)]), (accumulated, micro)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for xs, ys in parts:
+            (nn.functional.cross_entropy(model(xs), ys) / len(parts)).backward()
+        optimizer.step()
+    got = _weights(pipe.module)
+    for key, value in _weights(accumulated).items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
+    apart = max((got[k] - v).abs().max().item() for k, v in _weights(whole).items())
+    assert apart > 1e-3
+    statistics = buffers(whole if deferred else accumulated)
+    for key, value in statistics.items():
+        torch.testing.assert_close(buffers(pipe.module)[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_adamw_turns_the_noise_of_a_zero_gradient_into_a_step_as_the_readme_says():
+    """The README's exception to the 1e-5 bound, in plain PyTorch: a Linear's bias before
+    BatchNorm has a gradient that is zero in exact arithmetic; AdamW (eps=1e-8) moves it by a
+    share of lr that depends on the order of the batch's samples alone."""
+    x, y = data(0)
+    x = x.flatten(1)
+    biases = []
+    for order in (torch.arange(8), torch.arange(8).flip(0)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(75, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        nn.functional.cross_entropy(model(x[order]), y[order]).backward()
+        assert model[0].bias.grad.abs().max() < 1e-6  # zero but for rounding
+        optimizer.step()
+        biases.append(model[0].bias.detach().clone())
+    assert (biases[0] - biases[1]).abs().max() > 1e-4
