@@ -266,6 +266,8 @@ def train_pipelined(args: argparse.Namespace) -> None:
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
     model = build_model(args, device="meta")  # no rank builds the whole model
+    params = sum(p.numel() for p in model.parameters())  # before the stages take their layers:
+    # the tied weight is one Parameter here, counted once (on each rank its own copy after)
     plan = partitioner.Plan.load(args.plan) if args.plan else None
     ranks = ranks_per_pipeline(args, plan, world)
     replicas = world // ranks
@@ -282,7 +284,6 @@ def train_pipelined(args: argparse.Namespace) -> None:
     train, held = load_corpus()
     held_out = held_out_batches(held, eval_batch(args), args.context)
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
         print(f"GPT of {params:,} parameters, {len(train):,} training bytes, "
               f"{len(held_out) * eval_batch(args) * args.context:,} held out; {world} ranks "
               f"({replicas} replica(s) x {ranks} ranks), {schedule}, balance {pipe.balance}, "

@@ -88,6 +88,10 @@ def check_against_single(tmp_path: Path, *extra: str) -> str:
 def test_pipelined_run_matches_single_process_and_samples(tmp_path):
     log = check_against_single(tmp_path)
     assert re.search(r"1f1b, balance \[\d, \d\], .* fp32", log), log  # planned: 2 stages
+    from examples.models import gpt
+
+    unique = sum(p.numel() for p in gpt(dim=32, blocks=2, heads=2, context=32).parameters())
+    assert f"GPT of {unique:,} parameters" in log, log  # the tied weight counted once
     norms = grad_norms(log)
     assert len(norms) == 4 and max(norms) > 0.5, log  # the clip at 0.5 was active
     assert validation_loss(log) < 5.5  # below ln(256) = 5.545, a uniform guess
