@@ -165,6 +165,7 @@ class PipelineConfig:
         check_batches: bool = True,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
+        _check_checkpoint_type(checkpoint)
         planned_ranks = planned_microbatch = None
         if plan is not None:
             plan = load_plan(plan, model)
@@ -263,6 +264,25 @@ def _check_loss_fn(loss_fn: object) -> None:
             f"loss_fn must be a function of (output, target) returning a scalar tensor, got "
             f"{type(loss_fn).__name__}: e.g. loss_fn=torch.nn.functional.cross_entropy"
         )
+
+
+def _check_checkpoint_type(checkpoint: object) -> None:
+    """Refuse a ``checkpoint`` that is neither a mode nor a list or tuple of modes (a
+    TypeError naming the accepted values), before anything iterates over it."""
+    modes = ", ".join(repr(m) for m in RECOMPUTE_MODES)
+    if checkpoint is None or isinstance(checkpoint, str):
+        return
+    if not isinstance(checkpoint, list | tuple):
+        raise TypeError(
+            f"checkpoint must be one of {modes} (a str) or a list of one per stage, got "
+            f"{type(checkpoint).__name__} {checkpoint!r}"
+        )
+    for i, mode in enumerate(checkpoint):
+        if not isinstance(mode, str):
+            raise TypeError(
+                f"checkpoint[{i}] must be one of {modes} (a str), got "
+                f"{type(mode).__name__} {mode!r}"
+            )
 
 
 def _check_asynchronous_options(

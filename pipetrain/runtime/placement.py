@@ -42,6 +42,31 @@ class Groups:
     ties: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)  # by rank set
 
 
+def _wrong_world(world: int, ranks: int, replicas: int | None) -> str:
+    """Why ``world`` processes cannot run ``ranks`` ranks per pipeline x ``replicas`` (None:
+    as many as fit), and the fixes, replicas counted."""
+    if replicas is None:  # replicas = world // ranks: any multiple of ranks would do
+        divisors = [k for k in range(1, world + 1) if world % k == 0]
+        return (
+            f"world size {world} does not match the {ranks} stages of balance: each replica of "
+            f"the pipeline takes {ranks} processes, so launch a multiple of {ranks} (`torchrun "
+            f"--nproc_per_node={ranks}` for one pipeline, {2 * ranks} for 2 replicas), or give "
+            "balance a number of entries "
+            f"that divides {world} ({divisors}; {world} // entries replicas), e.g. {world} "
+            "entries for one pipeline"
+        )
+    refit = (
+        f"or give balance {world // replicas} entries ({replicas} replicas x "
+        f"{world // replicas} stages = {world})" if world % replicas == 0
+        else f"or pass a number of replicas that divides {world}"
+    )
+    return (
+        f"world size {world} does not match the {ranks} stages of balance x {replicas} "
+        f"replicas (replicas={replicas}): launch {ranks * replicas} processes, e.g. `torchrun "
+        f"--nproc_per_node={ranks * replicas}` on one node, {refit}"
+    )
+
+
 def join(
     group: dist.ProcessGroup | None,
     ranks: int,
@@ -58,16 +83,9 @@ def join(
         )
     members = dist.get_process_group_ranks(group or dist.group.WORLD)
     world = len(members)
-    if replicas is None:
-        replicas = max(world // ranks, 1)
-    if world != ranks * replicas:
-        hint = f"--nproc_per_node={ranks}" + (f" (x{replicas} replicas)" if replicas > 1 else "")
-        raise ValueError(
-            f"world size {world} does not match the {ranks} stages of balance"
-            + (f" x {replicas} replicas" if replicas > 1 else "")
-            + f"; launch {ranks * replicas} processes, e.g. `torchrun {hint}`, or give balance "
-            f"{world} entries"
-        )
+    if world != ranks * (replicas or max(world // ranks, 1)):
+        raise ValueError(_wrong_world(world, ranks, replicas))
+    replicas = replicas or world // ranks
     me = members.index(dist.get_rank())
     span = timedelta(seconds=timeout)
     pipelines = [dist.new_group(members[k * ranks : (k + 1) * ranks], timeout=span)

@@ -67,6 +67,25 @@ def test_unknown_schedule_and_checkpoint_mode():
         pipeline(mlp(), [6, 6], checkpoint="sometimes")
 
 
+class ModeName:
+    """Not a str, though it prints as a mode."""
+
+    def __str__(self) -> str:
+        return "always"
+
+
+@pytest.mark.parametrize(("checkpoint", "message"), [
+    (ModeName(), r"checkpoint must be one of 'never', 'except_last', 'always' \(a str\) or a "
+     r"list of one per stage, got ModeName"),
+    (3, r"checkpoint must be one of .* got int 3"),
+    (["always", ModeName()], r"checkpoint\[1\] must be one of 'never', 'except_last', "
+     r"'always' \(a str\), got ModeName"),
+])
+def test_a_checkpoint_that_is_no_mode_names_the_modes(checkpoint, message):
+    with pytest.raises(TypeError, match=message):
+        pipeline(mlp(), [6, 6], checkpoint=checkpoint)
+
+
 def test_one_device_per_stage():
     with pytest.raises(ValueError, match="3 devices for 2 stages"):
         pipetrain.Pipeline(mlp(), [6, 6], devices=["cpu"] * 3)
@@ -212,6 +231,7 @@ def test_world_size_must_match_the_stages():
         assert status == "error" and kind == "ValueError"
         assert "world size 2 does not match the 3 stages" in message
         assert "--nproc_per_node=3" in message
+        assert "a number of entries that divides 2 ([1, 2]; 2 // entries replicas)" in message
 
 
 def test_error_classes():

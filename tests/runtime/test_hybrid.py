@@ -72,3 +72,5 @@ def test_world_must_be_stages_times_replicas():
     for status, (kind, message, _) in run_ranks(_wrong_world, 4):
         assert status == "error" and kind == "ValueError"
         assert "world size 4 does not match the 3 stages of balance x 2 replicas" in message
+        assert "launch 6 processes" in message and "or give balance 2 entries (2 replicas x 2 " \
+            "stages = 4)" in message, message  # the replicas counted
