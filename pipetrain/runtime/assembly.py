@@ -17,6 +17,7 @@ from pipetrain.runtime.agreement import fingerprint
 from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
 from pipetrain.runtime.data_parallel import GradientSync, tied_parameters
+from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
@@ -46,6 +47,31 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
+def _asynchronous_refusal(
+    model: nn.Sequential, schedule: str, ties: list[Tie], placement: Placement
+) -> str:
+    """Why an asynchronous schedule refuses this pipeline: its replicas, its weights tied
+    across stages (named, with their stages), or both; and the fix of each."""
+    found, fixes = [], []
+    if placement.replicas > 1:
+        found.append(f"{placement.replicas} data-parallel replicas")
+        fixes.append("run one replica (as many processes as ranks)")
+    if ties:
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        listed = "; ".join(
+            f"{' = '.join(names[id(p)])} on stages {list(stages)}" for p, stages in ties[:3]
+        )
+        found.append(f"{len(ties)} weight(s) tied across stages ({listed})")
+        fixes.append("untie them or keep each tie's layers on one stage")
+    return (
+        f"schedule {schedule!r} does not support data-parallel replicas or weights tied across "
+        f"stages yet, and this pipeline has {' and '.join(found)}: use a synchronous schedule "
+        f"(e.g. '1f1b'), or {' and '.join(fixes)}"
+    )
+
+
 def assemble(
     model: nn.Sequential, config: PipelineConfig, schedule: Schedule, world: World,
     source: LayerSource, seeds: Sequence[int],
@@ -65,10 +91,7 @@ def assemble(
         check_batches=config.check_batches, **source.settings(),
     ))
     if schedule.asynchronous and (ties or world.placement.replicas > 1):
-        raise ValueError(
-            f"schedule {config.schedule!r} does not support data-parallel replicas or "
-            "weights tied across stages yet; use a synchronous schedule for those"
-        )
+        raise ValueError(_asynchronous_refusal(model, config.schedule, ties, world.placement))
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
     # the gradient all-reduces bind their buffers on the device: the layers go there first
     made = source.bring_up(model, parts, {s: world.device(schedule.rank_of(s)) for s in here})

@@ -340,3 +340,23 @@ def test_training_needs_an_optimizer_and_a_loss_function():
         pipeline(mlp(), [6, 6], loss_fn=nn.CrossEntropyLoss)
     with pytest.raises(TypeError, match="loss_fn must be a function of"):
         pipeline(mlp(), [6, 6], loss_fn="cross_entropy")
+
+
+def test_an_asynchronous_schedule_names_the_tied_weight_it_refuses():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    with pytest.raises(ValueError, match=r"'pipedream' does not support .* this pipeline has 1 "
+                       r"weight\(s\) tied across stages \(0.weight = 2.weight on stages \[0, 1\]\)"
+                       r".*untie them or keep each tie's layers on one stage"):
+        pipeline(nn.Sequential(first, nn.ReLU(), last), [1, 2], schedule="pipedream")
+
+
+def _asynchronous_replicas(rank: int, world: int) -> None:
+    pipetrain.Pipeline(mlp(), [12], schedule="pipedream-2bw", timeout=30)
+
+
+def test_an_asynchronous_schedule_names_the_replicas_it_refuses():
+    for status, (kind, message, _) in run_ranks(_asynchronous_replicas, 2, deadline=60):
+        assert status == "error" and kind == "ValueError"
+        assert "this pipeline has 2 data-parallel replicas: use a synchronous schedule" in message
+        assert "run one replica" in message and "tied" not in message.split("has")[1], message
