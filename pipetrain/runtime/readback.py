@@ -9,6 +9,7 @@ only reading it before then waits. On a CPU the tensor is already on the host: n
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -43,13 +44,21 @@ class HostCopy:
 class StepLoss(torch.Tensor):
     """The loss ``train_step`` returns: a 0-d tensor on the device that made it, read (the
     one host sync) only when the caller reads it: ``float(loss)``, ``loss.item()``,
-    ``f"{loss:.4f}"``, a comparison. It also counts as a real number (``numbers.Real``), so
-    that number-minded code such as ``pytest.approx`` or ``math.isclose`` takes it as one."""
+    ``f"{loss:.4f}"``, ``round(loss, 4)``, a comparison. It also counts as a real number
+    (``numbers.Real``), so that number-minded code such as ``pytest.approx`` or
+    ``math.isclose`` takes it as one."""
 
     __len__ = None  # type: ignore[assignment]  # a scalar, not a sequence: no len(), and not taken for a collection
 
     def __format__(self, spec: str) -> str:
         return format(self.item(), spec)
+
+    def __round__(self, ndigits: int | None = None) -> float | int:
+        """``round(loss, 3)``: as on the float it holds (an int without ``ndigits``)."""
+        return round(float(self.item()), ndigits)
+
+    def __trunc__(self) -> int:
+        return math.trunc(self.item())
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved (torch.save, pickle) as the plain tensor it holds, so that a file of losses

@@ -25,6 +25,13 @@ def test_a_step_loss_reads_as_a_number() -> None:
     assert not [loss] == pytest.approx([1.6], abs=1e-6)
 
 
+def test_a_step_loss_rounds_as_a_float() -> None:
+    loss = _loss(2.34567)
+    assert round(loss, 3) == 2.346 and type(round(loss, 3)) is float
+    assert round(loss) == 2 and type(round(loss)) is int
+    assert math.trunc(_loss(-2.7)) == -2 and math.floor(loss) == 2 and math.ceil(loss) == 3
+
+
 def test_a_step_loss_saves_as_a_plain_tensor_and_copies_as_itself() -> None:
     buffer = io.BytesIO()
     torch.save({"losses": [_loss(1.5)]}, buffer)
