@@ -259,10 +259,6 @@ def train_steps(pipe: pipetrain.Pipeline, args: argparse.Namespace, train: torch
 
 
 def train_pipelined(args: argparse.Namespace) -> None:
-    try:  # before any rank profiles or trains: an earlier run's checkpoints are kept
-        pipetrain.check_start(args.checkpoint_dir, args.resume, args.fresh)
-    except (pipetrain.CheckpointError, ValueError) as error:
-        raise SystemExit(f"train_gpt.py: {error}") from None
     rank, world = pipetrain.init_distributed()
     torch.set_num_threads(1)  # one core per stage on a small machine
     model = build_model(args, device="meta")  # no rank builds the whole model
@@ -280,7 +276,10 @@ def train_pipelined(args: argparse.Namespace) -> None:
         loss_fn=lm_loss, optimizer=adamw(args.lr), lr_scheduler=warmup_cosine(args),
         clip_grad_norm=args.clip, precision=args.precision, init_seed=args.seed,
     )
-    resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume, args.fresh)
+    try:  # the ranks decide together; an earlier run's checkpoints are refused, not trained over
+        resumed = pipetrain.start_or_resume(pipe, args.checkpoint_dir, args.resume, args.fresh)
+    except pipetrain.CheckpointError as error:
+        raise SystemExit(f"train_gpt.py: {error}") from None
     train, held = load_corpus()
     held_out = held_out_batches(held, eval_batch(args), args.context)
     if rank == 0:

@@ -136,9 +136,10 @@ class World(ABC):
         """Each rank's bubble and peak memory, for the progress line (on every rank)."""
 
     @abstractmethod
-    def gather_objects(self, value: Any) -> list[Any]:
-        """Every process's ``value`` (picklable), one per process of the pipeline in pipeline
-        rank order, on every rank; ``value`` itself where every rank runs here."""
+    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
+        """Every process's ``value`` (picklable), on every rank: one per process of the
+        pipeline in pipeline rank order (``every_replica``: of every replica, in the order of
+        their global ranks, the first rank's first); ``[value]`` where every rank runs here."""
 
     @abstractmethod
     def recorders(
@@ -224,7 +225,7 @@ class ThreadWorld(World):
     ) -> tuple[list[float], list[float], dict[str, float]]:
         return bubbles, memory, peaks
 
-    def gather_objects(self, value: Any) -> list[Any]:
+    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
         return [value]
 
     def recorders(
@@ -344,9 +345,10 @@ class ProcessWorld(World):
         ranks = self.groups.global_ranks
         return bubbles, memory, {f"rank{r}": m for r, m in zip(ranks, memory, strict=True)}
 
-    def gather_objects(self, value: Any) -> list[Any]:
-        every: list[Any] = [None] * len(self.groups.global_ranks)
-        dist.all_gather_object(every, value, group=self.groups.pipeline)
+    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
+        group = self.group if every_replica else self.groups.pipeline
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, value, group=group)
         return every
 
     def recorders(

@@ -219,19 +219,25 @@ def test_stages_that_do_not_divide_the_world_are_refused():
 
 def test_a_new_run_into_an_earlier_runs_folder_is_refused(tmp_path):
     """The README's first command leaves steps 250 and 300 in gpt-checkpoint; a second run
-    there (`--steps 20 --schedule zb-h1`) is refused before any rank starts, naming the folder
-    and the ways on, and the checkpoints stay."""
+    there (`--steps 20 --schedule zb-h1`) is refused on every rank before it trains, naming the
+    folder and the ways on, and the checkpoints stay."""
     pipe = pipetrain.Pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], devices=["cpu"])
     for step in (250, 300):
         pipe.step = step
         pipe.save(tmp_path)
-    train_gpt = example_module()
-    args = train_gpt.parse_args(["--steps", "20", "--no-sample", "--schedule", "zb-h1",
-                                 "--checkpoint-dir", str(tmp_path)])
-    refused = (rf"train_gpt.py: {tmp_path} holds checkpoints of an earlier run \(the newest: "
-               r"step-00000300\).*--resume.*--fresh.*another --checkpoint-dir")
-    with pytest.raises(SystemExit, match=refused):
-        train_gpt.train_pipelined(args)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPT), *TINY,
+         *BATCH, "--checkpoint-dir", str(tmp_path), "--steps", "20", "--no-sample",
+         "--schedule", "zb-h1"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    refused = (f"train_gpt.py: {tmp_path} holds checkpoints of an earlier run (the newest: "
+               "step-00000300)")
+    assert done.returncode != 0 and done.stderr.count(refused) == 2, done.stderr[-3000:]
+    assert "--resume" in done.stderr and "--fresh" in done.stderr
+    assert "step " not in done.stdout, done.stdout  # not one step trained
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "step-00000250", "step-00000300"
     ]

@@ -174,6 +174,31 @@ def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_asked(tmp_pa
     pipetrain.check_start(tmp_path / "new")  # no folder yet: a new run
 
 
+def _start(rank: int, world: int, folder: str, restarted_rank: int | None) -> int | None:
+    """start_or_resume on 2 replicas of a one-stage pipeline; rank 1 comes late (it would see
+    rank 0's fresh step 0 if it looked at the folder alone), ``restarted_rank`` alone is told
+    that torchrun restarted it."""
+    if rank == restarted_rank:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    pipe = pipetrain.Pipeline(mlp(), [12], loss_fn=nn.functional.cross_entropy, optimizer=sgd,
+                              timeout=60)
+    if rank == 1:
+        time.sleep(1.0)
+    return pipetrain.start_or_resume(pipe, folder)
+
+
+def test_every_rank_decides_to_start_or_resume_alike(tmp_path):
+    """A new run's ranks start together however late one looks; a restart seen by one rank
+    only (torchrun counts it on the failed agent's ranks) resumes every rank."""
+    folder = str(tmp_path / "ckpt")
+    assert values(run_ranks(_start, 2, folder, None)) == [None, None]
+    assert _names(tmp_path / "ckpt") == ["step-00000000"]
+    assert values(run_ranks(_start, 2, folder, 1)) == [0, 0]
+    refused = run_ranks(_start, 2, folder, None)
+    assert [status for status, _ in refused] == ["error", "error"], refused
+    assert all("holds checkpoints of an earlier run" in message for _, (_, message, _) in refused)
+
+
 def _train_in_processes(rank: int, world: int, folder: str | None, steps: int):
     """Train (resuming from ``folder`` if it holds a checkpoint) up to ``steps`` steps."""
     balance = [4, 8] if world == 2 else [3, 3, 3, 3]
