@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pipetrain import _moved, optim
 from pipetrain.checkpoints.checkpointing import consolidate
-from pipetrain.checkpoints.restart import check_start, restarted, start_or_resume
+from pipetrain.checkpoints.restart import restarted, start_or_resume
 from pipetrain.errors import (
     CheckpointError,
     CommunicationTimeout,
@@ -40,7 +40,6 @@ __all__ = [
     "StageError",
     "TrainTask",
     "__version__",
-    "check_start",
     "consolidate",
     "init_distributed",
     "optim",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.checkpoints import checkpointing
+from pipetrain.checkpoints import checkpointing, restart
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -170,8 +170,8 @@ def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_asked(tmp_pa
     assert pipetrain.start_or_resume(pipeline(mlp(), [6, 6]), tmp_path, fresh=True) is None
     assert _names(tmp_path) == ["step-00000000", "step-00000030", "step-00000040"]
     with pytest.raises(ValueError, match="resume and fresh exclude each other"):
-        pipetrain.check_start(tmp_path, resume=True, fresh=True)
-    pipetrain.check_start(tmp_path / "new")  # no folder yet: a new run
+        restart.check_start(tmp_path, resume=True, fresh=True)
+    restart.check_start(tmp_path / "new")  # no folder yet: a new run
 
 
 def _start(rank: int, world: int, folder: str, restarted_rank: int | None) -> int | None:
