@@ -9,7 +9,6 @@ share: the options (config.py), the schedule, the stages and the steps.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.runtime.stage_module import PipelineLayers
+from pipetrain.runtime.stage_module import PipelineLayers, keyed
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
@@ -224,8 +223,8 @@ class Pipeline:
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
-        self._layers = PipelineLayers(
-            OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
+        self._layers = keyed(
+            PipelineLayers, (kv for stage in self.stages for kv in stage.module.named_children())
         )
         self._start_training(ties)
         logger.info(

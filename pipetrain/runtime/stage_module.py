@@ -22,13 +22,24 @@ never call, so it refuses hooks rather than ignore them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 from torch import nn
+
+S = TypeVar("S", bound=nn.Sequential)
+
+
+def keyed(cls: type[S], layers: Iterable[tuple[str, nn.Module]]) -> S:
+    """An ``nn.Sequential`` of class ``cls`` holding ``layers`` under their names as given.
+    ``nn.Sequential``'s constructor refuses names with dots, which pipetrain.hf's layers have:
+    the layer keyed "model.layers.0" gives the Hugging Face model's own state_dict keys."""
+    made = cls()
+    for name, layer in layers:
+        made._modules[name] = layer
+    return made
 
 
 @dataclass
@@ -96,7 +107,7 @@ class StageModule(nn.Sequential):
         """``module``'s layers (the same objects, under the same keys) as a StageModule."""
         if isinstance(module, StageModule):
             return module
-        return cls(OrderedDict(module.named_children()))
+        return keyed(cls, module.named_children())
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""

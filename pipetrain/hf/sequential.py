@@ -1,0 +1,261 @@
+"""A Hugging Face causal LM as an ``nn.Sequential`` keyed exactly as the model.
+
+``sequential(model)`` lays a ``*ForCausalLM`` out as pipetrain's layers: the embedding (token
+embedding, and GPT-2's position table), one layer per decoder block, the final norm, the output
+head. Each layer is registered under the dotted path of its part in the model ("model",
+"model.layers.0", ..., "model.norm", "lm_head"), and a block's layer holds the block's own
+parameters at its top level, so ``state_dict()`` has the model's keys, in its order: an HF
+checkpoint loads into it and a pipeline's checkpoint is an HF checkpoint's contents.
+
+What crosses a stage boundary is the flat tuple ``(hidden_states, attention_mask,
+position_ids)``: the 2-D padding mask (1 for a token, 0 for padding) and the positions travel
+with the activations, and each block builds its 4-D attention mask from them with
+transformers' own mask functions (causal, or sliding-window where the block's attention type
+says so; "eager" and "sdpa" alike), and its rotary cos/sin from the positions (rotary tables
+are buffers outside the state_dict, so they are computed on each rank's device, never loaded).
+
+The first stage takes ``input_ids`` or ``(input_ids, attention_mask)`` (or ``(input_ids,
+attention_mask, position_ids)``); the last layer returns the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.stage_module import keyed
+
+Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
+
+
+class CausalLMLayers(nn.Sequential):
+    """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
+    a slice keeps the keys."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return keyed(type(self), list(self._modules.items())[index])
+        return super().__getitem__(index)
+
+
+def sequential(model: Any) -> CausalLMLayers:
+    """``model`` (a transformers ``*ForCausalLM``, built eagerly or on the meta device) as
+    pipetrain's layers, sharing its parameters: embedding, one layer per decoder block, final
+    norm, head. Architectures whose config declares ``base_model_pp_plan`` (Llama, Mistral,
+    Qwen2/3 and others) and GPT-2 are understood; anything else is refused, naming why."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if config is None or head is None:
+        raise TypeError(
+            f"pipetrain.hf.sequential takes a transformers *ForCausalLM (a model with a config "
+            f"and an output head), got {type(model).__name__}"
+        )
+    _refuse_extras(config)
+    (base_name, base), = [(n, m) for n, m in model.named_children() if m is model.base_model]
+    (head_name,) = [n for n, m in model.named_children() if m is head]
+    plan = getattr(config, "base_model_pp_plan", None)
+    if plan:
+        names = list(plan)
+        embed_name, layers_name, norm_name = names[0], names[1], names[-1]
+        embedding: nn.Module = Embedding({embed_name: getattr(base, embed_name)}, embed_name)
+        rotary = getattr(base, "rotary_emb", None)
+    elif all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
+        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop}, "wte")
+        layers_name, norm_name, rotary = "h", "ln_f", None
+    else:
+        raise TypeError(
+            f"{type(model).__name__}: its config declares no base_model_pp_plan and it is not "
+            "GPT-2, so pipetrain cannot tell where to cut it; pass a model whose config has one "
+            "(Llama, Mistral, Qwen2/3, ...) or build an nn.Sequential by hand"
+        )
+    positions = Positions(rotary) if rotary is not None else None
+    blocks = getattr(base, layers_name)
+    layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
+    for index, block in enumerate(blocks):
+        layers.append((
+            f"{base_name}.{layers_name}.{index}",
+            Block(block, _mask_function(config, index), config, positions),
+        ))
+    layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
+    layers.append((head_name, head))
+    return keyed(CausalLMLayers, layers)
+
+
+def _refuse_extras(config: Any) -> None:
+    """Refuse the architectures whose causal-LM forward does more than norm then head."""
+    extras = [
+        name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        if getattr(config, name, None) not in (None, 1, 1.0)
+    ]
+    if extras:
+        raise TypeError(
+            f"{type(config).__name__} sets {', '.join(extras)}: its forward scales the logits "
+            "after the head, which pipetrain.hf.sequential does not reproduce"
+        )
+
+
+def _inputs(value: object) -> Boundary:
+    """The first stage's input as (input_ids, attention_mask, position_ids), filling in an
+    all-ones mask and positions 0..T-1 where absent."""
+    given = list(value) if isinstance(value, tuple | list) else [value]
+    members = [m for m in given if isinstance(m, torch.Tensor)]
+    if not 1 <= len(given) <= 3 or len(members) != len(given):
+        raise TypeError(
+            "the first stage takes input_ids or (input_ids, attention_mask) or (input_ids, "
+            f"attention_mask, position_ids), tensors of shape (batch, seq); got {value!r:.100}"
+        )
+    ids = members[0]
+    if ids.dim() != 2 or ids.is_floating_point():
+        raise ValueError(f"input_ids must be integer token ids of shape (batch, seq), got "
+                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+    mask = members[1] if len(members) > 1 else torch.ones_like(ids)
+    if len(members) > 2:
+        positions = members[2]
+    else:
+        positions = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+    for what, tensor in (("attention_mask", mask), ("position_ids", positions)):
+        if tuple(tensor.shape) != tuple(ids.shape):
+            raise ValueError(f"{what} has shape {tuple(tensor.shape)}, input_ids "
+                             f"{tuple(ids.shape)}: pass one value per token")
+    return ids, mask, positions
+
+
+class Embedding(nn.Module):
+    """The first layer: the base model's embedding modules under their own names (so its
+    keys are "model.embed_tokens.weight" or "transformer.wte.weight", ...). ``tokens`` names
+    the token embedding; GPT-2's "wpe" adds the learned positions and "drop" its dropout."""
+
+    def __init__(self, parts: dict[str, nn.Module], tokens: str):
+        super().__init__()
+        for name, part in parts.items():
+            self.add_module(name, part)
+        self.tokens = tokens
+
+    def forward(self, value: object) -> Boundary:
+        ids, mask, positions = _inputs(value)
+        parts = self._modules
+        hidden = parts[self.tokens](ids)  # type: ignore[misc]
+        if "wpe" in parts:
+            hidden = parts["drop"](hidden + parts["wpe"](positions))  # type: ignore[misc]
+        return hidden, mask, positions
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
+    ) -> None:
+        """Check only this layer's own keys: the later layers' keys share its prefix
+        ("model.layers.0..." under "model.") and are theirs to load."""
+        own = {k: v for k, v in state_dict.items()
+               if k[len(prefix):].split(".", 1)[0] in self._modules}
+        super()._load_from_state_dict(own, prefix, *args, **kwargs)
+
+
+class View(nn.Module):
+    """An HF module under its own keys, with pipetrain's forward: it shares the module's
+    parameters, buffers and submodules (the same dictionaries, so moving, materializing or
+    loading this layer does so to the module) and calls the module itself."""
+
+    inner: nn.Module
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            self.__dict__[registry] = inner.__dict__[registry]
+        self.__dict__["inner"] = inner  # not a submodule: its contents are this layer's
+
+    def train(self, mode: bool = True) -> View:
+        super().train(mode)
+        self.inner.training = mode
+        return self
+
+
+class Positions:
+    """Rotary cos/sin from position ids, with a copy of the model's rotary module per device
+    (its tables are buffers outside the state_dict: computed from the config, never loaded;
+    a meta-device model's are rebuilt here)."""
+
+    def __init__(self, rotary: nn.Module):
+        with torch.device("cpu"):
+            self.rotary = type(rotary)(config=rotary.config)
+        self.copies: dict[torch.device, nn.Module] = {}
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        rotary = self.copies.get(hidden.device)
+        if rotary is None:
+            rotary = self.copies.setdefault(hidden.device, copy.deepcopy(self.rotary).to(
+                hidden.device))
+        return rotary(hidden, positions)
+
+
+class Block(View):
+    """A decoder block: builds its attention mask and rotary embedding from the mask and
+    positions that travel with the hidden states, runs the block, passes them on."""
+
+    mask: Callable[..., Any]
+    config: Any
+    positions: Positions | None
+
+    def __init__(
+        self, inner: nn.Module, mask: Callable[..., Any], config: Any,
+        positions: Positions | None,
+    ):
+        super().__init__(inner)
+        self.__dict__.update(mask=mask, config=config, positions=positions)
+
+    def forward(self, value: Boundary) -> Boundary:
+        hidden, mask, positions = value
+        extra: dict[str, Any] = {}
+        if self.positions is not None:
+            extra["position_embeddings"] = self.positions(hidden, positions)
+        out = self.inner(
+            hidden, attention_mask=self.mask(self.config, hidden, mask, positions),
+            position_ids=positions, use_cache=False, **extra,
+        )
+        if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
+            out = out[0]
+        return out, mask, positions
+
+
+class Norm(View):
+    """The final norm: takes the boundary tuple, returns the normalized hidden states."""
+
+    def forward(self, value: Boundary) -> torch.Tensor:
+        return self.inner(value[0])  # type: ignore[no-any-return]
+
+
+def _mask_function(config: Any, index: int) -> Callable[..., Any]:
+    """Block ``index``'s 4-D mask builder, as its model's forward picks it: sliding-window
+    for a "sliding_attention" layer type (or a config with a sliding window and no layer
+    types, as Mistral's), else causal."""
+    from transformers import masking_utils
+
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        sliding = types[index] == "sliding_attention"
+        if types[index] not in ("full_attention", "sliding_attention"):
+            raise TypeError(
+                f"layer {index} has attention type {types[index]!r}, which "
+                "pipetrain.hf.sequential does not build masks for"
+            )
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None
+    build = (masking_utils.create_sliding_window_causal_mask if sliding
+             else masking_utils.create_causal_mask)
+    names = set(inspect.signature(build).parameters)
+
+    def mask(config: Any, hidden: torch.Tensor, padding: torch.Tensor,
+             positions: torch.Tensor) -> Any:
+        kwargs: dict[str, Any] = {"config": config, "attention_mask": padding,
+                                  "position_ids": positions}
+        kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
+        kwargs["cache" if "cache" in names else "past_key_values"] = None
+        if "cache_position" in names:  # transformers before 5: positions of this call
+            kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+        return build(**kwargs)
+
+    return mask
+

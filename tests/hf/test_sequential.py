@@ -1,0 +1,75 @@
+"""pipetrain.hf.sequential and causal_lm_loss against the transformers model itself: the same
+state_dict keys, the same logits (exactly: the same modules run the same ops), the same loss
+(1e-6: the token-weighted loss only reorders a sum and one division), eager and sdpa alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipetrain.hf as hf
+from tests.hf.models import batch, model
+
+ARCHS = ["llama", "llama-tied", "qwen3", "mistral", "gpt2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keys_are_the_models_and_load_strictly(arch: str) -> None:
+    m = model(arch)
+    layers = hf.sequential(m)
+    assert list(layers.state_dict()) == list(m.state_dict())
+    assert list(layers[1:3].state_dict()) == [
+        k for k in m.state_dict() if ".layers." in k or ".h." in k
+    ]
+    other = model(arch, seed=1)
+    layers.load_state_dict(other.state_dict())  # strict: every key, no others
+    for key, value in other.state_dict().items():
+        assert torch.equal(m.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_logits_and_loss_are_the_models(arch: str, attn: str) -> None:
+    m = model(arch, attn).eval()
+    ids, mask, labels = batch()
+    expected = m(ids, attention_mask=mask, labels=labels, use_cache=False)
+    logits = hf.sequential(m)((ids, mask))
+    assert torch.equal(logits, expected.logits)
+    loss = hf.causal_lm_loss(logits, hf.causal_lm_targets(labels))
+    assert abs(loss.item() - expected.loss.item()) < 1e-6
+    assert abs(hf.causal_lm_loss(logits, labels).item() - expected.loss.item()) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_eager_and_sdpa_give_the_same_loss(arch: str) -> None:
+    """Right padding: with left padding a pad position's query sees no key at all, and
+    transformers' eager and sdpa give such rows different values (the model itself does),
+    which the loss counts where the next token is real."""
+    ids, mask, labels = batch(left=False)
+    losses = [
+        float(hf.causal_lm_loss(hf.sequential(model(arch, attn))((ids, mask)), labels))
+        for attn in ("eager", "sdpa")
+    ]
+    assert abs(losses[0] - losses[1]) < 1e-5
+
+
+def test_token_weighted_across_micro_batches() -> None:
+    """Micro-batches with different numbers of counted tokens: the pipeline's mean of
+    per-micro-batch losses (each as causal_lm_loss returns it) is the whole batch's token
+    mean, not the mean of micro-batch means."""
+    m = model("llama").eval()
+    ids, mask, labels = batch(rows=4)
+    labels[:2, 3:] = -100  # the first micro-batch counts far fewer tokens
+    logits = hf.sequential(m)((ids, mask))
+    whole = hf.causal_lm_loss(logits, labels)
+    targets = hf.causal_lm_targets(labels)
+    parts = [hf.causal_lm_loss(logits[i:i + 2], (targets[0][i:i + 2], targets[1][i:i + 2]))
+             for i in (0, 2)]
+    means = [hf.causal_lm_loss(logits[i:i + 2], labels[i:i + 2]) for i in (0, 2)]
+    assert abs(float(sum(parts) / 2) - float(whole)) < 1e-6
+    assert abs(float(sum(means) / 2) - float(whole)) > 1e-3  # the wrong weighting differs
+
+
+def test_refuses_a_model_it_cannot_cut() -> None:
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        hf.sequential(torch.nn.Linear(2, 2))

@@ -1,0 +1,94 @@
+"""A Hugging Face model trained through pipetrain equals the same model trained by itself.
+
+2 stages (threads in one process, and 2 gloo processes), 2 micro-batches, AdamW with a clip,
+3 steps on padded batches whose sequence length changes every step, against single-process
+training on ``model(input_ids, attention_mask=..., labels=...).loss``. Tolerance: fp32, 1e-5
+on every parameter. Micro-batching only reorders sums (a few units in the last place, ~1e-7),
+which Adam's normalized step can amplify on a near-zero gradient component to about lr * 1e-2;
+a wrong loss weighting (micro-batch means) or a lost mask moves parameters by about lr = 1e-3.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pipetrain
+import pipetrain.hf as hf
+from tests.hf.models import batch, model
+from tests.runtime.harness import run_ranks, values
+
+TOLERANCE = 1e-5
+STEPS = 3
+BALANCE = [2, 3]  # embedding + block 0 | block 1 + norm + head
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def batches():
+    return [batch(rows=4, length=9 + 3 * step, seed=step) for step in range(STEPS)]
+
+
+def reference(arch: str) -> dict[str, torch.Tensor]:
+    m = model(arch)
+    opt = adamw(m.parameters())
+    for ids, mask, labels in batches():
+        opt.zero_grad()
+        m(ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def train(pipe: pipetrain.Pipeline) -> list[float]:
+    losses = []
+    for ids, mask, labels in batches():
+        losses.append(float(pipe.train_step((ids, mask), hf.causal_lm_targets(labels))))
+    return losses
+
+
+def options(**extra) -> dict:
+    return dict(balance=BALANCE, chunks=2, schedule="1f1b", loss_fn=hf.causal_lm_loss,
+                optimizer=adamw, clip_grad_norm=1.0, **extra)
+
+
+def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert state.keys() <= expected.keys()
+    for key, value in state.items():
+        assert (value - expected[key]).abs().max() < TOLERANCE, key
+
+
+@pytest.mark.parametrize("arch", ["llama-tied", "gpt2"])
+def test_threads_equal_hf_training(arch: str, one_thread) -> None:
+    pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"], **options())
+    train(pipe)
+    assert_close(pipe.module.state_dict(), reference(arch))
+
+
+def _rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
+    pipe = pipetrain.Pipeline(hf.sequential(model(arch)), **options())
+    train(pipe)
+    return {k: v.detach().clone() for k, v in pipe.module.state_dict().items()}
+
+
+def test_processes_equal_hf_training() -> None:
+    states = values(run_ranks(_rank, 2, "llama", deadline=180))
+    expected = reference("llama")
+    assert {k for s in states for k in s} == set(expected)
+    for state in states:
+        assert_close(state, expected)
+
+
+def test_loss_is_the_models() -> None:
+    """train_step's loss, token-weighted across micro-batches, is transformers' loss."""
+    m = model("llama")
+    ids, mask, labels = batch()
+    expected = m(ids, attention_mask=mask, labels=labels, use_cache=False).loss.item()
+    pipe = pipetrain.Pipeline(hf.sequential(copy.deepcopy(m)), devices=["cpu", "cpu"],
+                              **options())
+    loss = pipe.train_step((ids, mask), hf.causal_lm_targets(labels))
+    assert abs(float(loss) - expected) < 1e-6
