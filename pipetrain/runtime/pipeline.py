@@ -142,7 +142,9 @@ class Pipeline:
         init: ``init(layer)``, the rule's initialization of one layer, in place of its
             modules' ``reset_parameters()``.
         weights: a whole-model ``.safetensors`` or ``.pt`` file, keys as in
-            ``model.state_dict()``: each stage reads only its own tensors
+            ``model.state_dict()``, or a Hugging Face checkpoint directory (pipetrain/hf/load.py;
+            a tied weight saved once is read for each of its keys): each stage reads only its
+            own tensors
             (pipetrain/checkpoints/weightfile.py). Missing, unexpected or wrongly shaped keys are
             refused in one error.
         nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or

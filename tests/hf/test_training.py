@@ -17,7 +17,7 @@ import torch
 
 import pipetrain
 import pipetrain.hf as hf
-from tests.hf.models import batch, model
+from tests.hf.models import batch, config, model, transformers
 from tests.runtime.harness import run_ranks, values
 
 TOLERANCE = 1e-5
@@ -62,24 +62,32 @@ def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert (value - expected[key]).abs().max() < TOLERANCE, key
 
 
-@pytest.mark.parametrize("arch", ["llama-tied", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_threads_equal_hf_training(arch: str, one_thread) -> None:
     pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"], **options())
     train(pipe)
     assert_close(pipe.module.state_dict(), reference(arch))
 
 
-def _rank(rank: int, world: int, arch: str) -> dict[str, torch.Tensor]:
-    pipe = pipetrain.Pipeline(hf.sequential(model(arch)), **options())
+def _rank(rank: int, world: int, arch: str, folder: str) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config(arch))
+    pipe = pipetrain.Pipeline(hf.sequential(meta), weights=folder, **options())
     train(pipe)
     return {k: v.detach().clone() for k, v in pipe.module.state_dict().items()}
 
 
-def test_processes_equal_hf_training() -> None:
-    states = values(run_ranks(_rank, 2, "llama", deadline=180))
-    expected = reference("llama")
-    assert {k for s in states for k in s} == set(expected)
-    for state in states:
+def test_processes_load_the_checkpoint_and_equal_hf_training(tmp_path) -> None:
+    """Each rank builds the model on the meta device and reads its stage from the sharded
+    checkpoint directory (the head tied to the embedding, saved once)."""
+    model("llama-tied").save_pretrained(tmp_path, max_shard_size="20KB")
+    first, last = values(run_ranks(_rank, 2, "llama-tied", str(tmp_path), deadline=180))
+    expected = reference("llama-tied")
+    assert list(first) == [k for k in expected if not k.startswith(
+        ("model.layers.1.", "model.norm", "lm_head"))]
+    assert list(last) == [k for k in expected if k.startswith(
+        ("model.layers.1.", "model.norm", "lm_head"))]
+    for state in (first, last):
         assert_close(state, expected)
 
 
