@@ -132,11 +132,12 @@ def load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
 
 def write_safetensors(
     path: str | os.PathLike[str], index: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write a safetensors file of the keys in ``index`` (in its order), taking their tensors
-    from ``tensors`` one at a time, in the same order: the file never needs them all at once."""
-    header: dict[str, dict[str, Any]] = {}
+    from ``tensors`` one at a time, in the same order: the file never needs them all at once.
+    ``metadata``: the header's string-to-string ``__metadata__``."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key, (dtype, shape) in index.items():
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

@@ -5,6 +5,7 @@ pipetrain`` never imports this package. See docs/hf.md.
 """
 
 from pipetrain.hf.loss import causal_lm_loss, causal_lm_targets
+from pipetrain.hf.save import save
 from pipetrain.hf.sequential import CausalLMLayers, sequential
 
-__all__ = ["CausalLMLayers", "causal_lm_loss", "causal_lm_targets", "sequential"]
+__all__ = ["CausalLMLayers", "causal_lm_loss", "causal_lm_targets", "save", "sequential"]

@@ -545,6 +545,13 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         raise UsageError(f"{output.parent} does not exist; create it or write elsewhere (-o)")
     with warnings.catch_warnings(record=True) as fell_back:
         warnings.simplefilter("always")
+        if args.hf is not None:
+            from pipetrain.hf.save import save
+
+            save(args.folder, args.hf, output, args.max_shard_size)
+            count = len(list(output.glob("*.safetensors")))
+            print(f"Hugging Face checkpoint ({count} safetensors file(s)) written to {output}")
+            return 0
         if output.suffix == ".safetensors":
             count = consolidate_safetensors(args.folder, output)
         else:
@@ -750,8 +757,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder")
     p.add_argument(
         "-o", "--output", required=True,
-        help="FILE.safetensors (safetensors, stage by stage) or any other name (torch.save)",
+        help="FILE.safetensors (safetensors, stage by stage) or any other name (torch.save); "
+        "with --hf, a new directory",
     )
+    p.add_argument(
+        "--hf", metavar="CONFIG_DIR",
+        help="write a Hugging Face checkpoint directory (config.json and the tokenizer files "
+        "of CONFIG_DIR, safetensors shards, tied weights once) that "
+        "AutoModelForCausalLM.from_pretrained loads; needs pipetrain[hf]",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per shard")
     p.set_defaults(run=cmd_consolidate)
     add_train_command(sub, _import_factory)
     return parser
