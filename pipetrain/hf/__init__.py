@@ -6,6 +6,7 @@ pipetrain`` never imports this package. See docs/hf.md.
 
 from pipetrain.hf.loss import causal_lm_loss, causal_lm_targets
 from pipetrain.hf.save import save
-from pipetrain.hf.sequential import CausalLMLayers, sequential
+from pipetrain.hf.sequential import CausalLMLayers, initializer, sequential
 
-__all__ = ["CausalLMLayers", "causal_lm_loss", "causal_lm_targets", "save", "sequential"]
+__all__ = ["CausalLMLayers", "causal_lm_loss", "causal_lm_targets", "initializer", "save",
+           "sequential"]

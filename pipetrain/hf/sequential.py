@@ -86,6 +86,19 @@ def sequential(model: Any) -> CausalLMLayers:
     return keyed(CausalLMLayers, layers)
 
 
+def initializer(model: Any) -> Callable[[nn.Module], None]:
+    """``init`` for ``Pipeline(layers, init_seed=..., init=initializer(model))``: each layer
+    initialized by the model's own rule (transformers' ``_init_weights`` of every module in
+    it), so a model built on the meta device from a config trains from the weights
+    transformers would give it (drawn per layer from pipetrain's seed: any split alike)."""
+
+    def init(layer: nn.Module) -> None:
+        for module in layer.modules():
+            model._init_weights(module.inner if isinstance(module, View) else module)
+
+    return init
+
+
 def _refuse_extras(config: Any) -> None:
     """Refuse the architectures whose causal-LM forward does more than norm then head."""
     extras = [
@@ -249,6 +262,8 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
 
     def mask(config: Any, hidden: torch.Tensor, padding: torch.Tensor,
              positions: torch.Tensor) -> Any:
+        if hidden.is_meta:  # shapes only (meta profiling): the mask's values are not there
+            return None
         kwargs: dict[str, Any] = {"config": config, "attention_mask": padding,
                                   "position_ids": positions}
         kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden

@@ -72,7 +72,12 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _import_factory(target: str) -> Callable[..., Any]:
-    """The function named by ``module.path:function`` or ``path/to/file.py:function``."""
+    """The function named by ``module.path:function`` or ``path/to/file.py:function``; for
+    ``hf:DIR`` (a Hugging Face directory or config JSON), one that builds its layers."""
+    if target.startswith("hf:"):
+        from pipetrain.hf.task import layers
+
+        return lambda: layers(target.removeprefix("hf:"))
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise UsageError(
@@ -623,7 +628,8 @@ def _add_profile_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "model",
         help="MODULE:FUNCTION returning an nn.Sequential "
-        "(e.g. examples.models:resnet_like, or path/to/file.py:make_model)",
+        "(e.g. examples.models:resnet_like, or path/to/file.py:make_model), or hf:DIR, a "
+        "Hugging Face causal LM's directory or config JSON (pipetrain.hf.sequential of it)",
     )
     p.add_argument("--input-shape", required=True, help="e.g. 64,3,32,32 (dimension 0: batch)")
     p.add_argument("--input-dtype", default="float32", help="float32 (default), int64, ...")
