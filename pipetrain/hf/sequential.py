@@ -58,20 +58,22 @@ def sequential(model: Any) -> CausalLMLayers:
     _refuse_extras(config)
     (base_name, base), = [(n, m) for n, m in model.named_children() if m is model.base_model]
     (head_name,) = [n for n, m in model.named_children() if m is head]
-    plan = getattr(config, "base_model_pp_plan", None)
-    if plan:
-        names = list(plan)
-        embed_name, layers_name, norm_name = names[0], names[1], names[-1]
-        embedding: nn.Module = Embedding({embed_name: getattr(base, embed_name)}, embed_name)
+    plan = list(getattr(config, "base_model_pp_plan", None) or ())
+    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
+        layers_name, norm_name = plan[-2:]
+        # what comes before the blocks: the token embedding, then (Phi) its dropout
+        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
         rotary = getattr(base, "rotary_emb", None)
-    elif all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
-        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop}, "wte")
+    elif not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
+        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop})
         layers_name, norm_name, rotary = "h", "ln_f", None
     else:
         raise TypeError(
-            f"{type(model).__name__}: its config declares no base_model_pp_plan and it is not "
-            "GPT-2, so pipetrain cannot tell where to cut it; pass a model whose config has one "
-            "(Llama, Mistral, Qwen2/3, ...) or build an nn.Sequential by hand"
+            f"{type(model).__name__}: its config declares no base_model_pp_plan of embedding, "
+            f"blocks, norm ({plan or 'none'}) and it is not GPT-2, so pipetrain cannot tell "
+            "where to cut it; pass a model whose config has one (Llama, Mistral, Qwen2/3, ...) "
+            "or build an nn.Sequential by hand"
         )
     positions = Positions(rotary) if rotary is not None else None
     blocks = getattr(base, layers_name)
@@ -79,7 +81,8 @@ def sequential(model: Any) -> CausalLMLayers:
     for index, block in enumerate(blocks):
         layers.append((
             f"{base_name}.{layers_name}.{index}",
-            Block(block, _mask_function(config, index), config, positions),
+            Block(block, _mask_function(config, index), config, positions,
+                  _layer_type(config, index)),
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
@@ -100,15 +103,18 @@ def initializer(model: Any) -> Callable[[nn.Module], None]:
 
 
 def _refuse_extras(config: Any) -> None:
-    """Refuse the architectures whose causal-LM forward does more than norm then head."""
+    """Refuse the architectures whose forward scales the embeddings or the logits outside
+    the modules (the layers would not reproduce it)."""
     extras = [
-        name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                          "embedding_multiplier")
         if getattr(config, name, None) not in (None, 1, 1.0)
     ]
     if extras:
         raise TypeError(
-            f"{type(config).__name__} sets {', '.join(extras)}: its forward scales the logits "
-            "after the head, which pipetrain.hf.sequential does not reproduce"
+            f"{type(config).__name__} sets {', '.join(extras)}: its forward scales the "
+            "embeddings or the logits outside their modules, which pipetrain.hf.sequential does "
+            "not reproduce"
         )
 
 
@@ -139,22 +145,25 @@ def _inputs(value: object) -> Boundary:
 
 
 class Embedding(nn.Module):
-    """The first layer: the base model's embedding modules under their own names (so its
-    keys are "model.embed_tokens.weight" or "transformer.wte.weight", ...). ``tokens`` names
-    the token embedding; GPT-2's "wpe" adds the learned positions and "drop" its dropout."""
+    """The first layer: the base model's modules before its blocks, under their own names (so
+    its keys are "model.embed_tokens.weight" or "transformer.wte.weight", ...): the token
+    embedding first, GPT-2's "wpe" adding the learned positions, then the others in order
+    (dropout)."""
 
-    def __init__(self, parts: dict[str, nn.Module], tokens: str):
+    def __init__(self, parts: dict[str, nn.Module]):
         super().__init__()
         for name, part in parts.items():
             self.add_module(name, part)
-        self.tokens = tokens
 
     def forward(self, value: object) -> Boundary:
         ids, mask, positions = _inputs(value)
-        parts = self._modules
-        hidden = parts[self.tokens](ids)  # type: ignore[misc]
-        if "wpe" in parts:
-            hidden = parts["drop"](hidden + parts["wpe"](positions))  # type: ignore[misc]
+        tokens, *rest = self._modules.items()
+        hidden = tokens[1](ids)  # type: ignore[misc]
+        for name, part in rest:
+            if name == "wpe":
+                hidden = hidden + part(positions)  # type: ignore[misc]
+            else:
+                hidden = part(hidden)  # type: ignore[misc]
         return hidden, mask, positions
 
     def _load_from_state_dict(
@@ -195,12 +204,17 @@ class Positions:
         with torch.device("cpu"):
             self.rotary = type(rotary)(config=rotary.config)
         self.copies: dict[torch.device, nn.Module] = {}
+        self.per_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str | None,
+    ) -> Any:
         rotary = self.copies.get(hidden.device)
         if rotary is None:
             rotary = self.copies.setdefault(hidden.device, copy.deepcopy(self.rotary).to(
                 hidden.device))
+        if layer_type is not None and self.per_type:  # Gemma 3: a table per attention type
+            return rotary(hidden, positions, layer_type)
         return rotary(hidden, positions)
 
 
@@ -211,19 +225,21 @@ class Block(View):
     mask: Callable[..., Any]
     config: Any
     positions: Positions | None
+    layer_type: str | None
 
     def __init__(
         self, inner: nn.Module, mask: Callable[..., Any], config: Any,
-        positions: Positions | None,
+        positions: Positions | None, layer_type: str | None,
     ):
         super().__init__(inner)
-        self.__dict__.update(mask=mask, config=config, positions=positions)
+        self.__dict__.update(mask=mask, config=config, positions=positions,
+                             layer_type=layer_type)
 
     def forward(self, value: Boundary) -> Boundary:
         hidden, mask, positions = value
         extra: dict[str, Any] = {}
         if self.positions is not None:
-            extra["position_embeddings"] = self.positions(hidden, positions)
+            extra["position_embeddings"] = self.positions(hidden, positions, self.layer_type)
         out = self.inner(
             hidden, attention_mask=self.mask(self.config, hidden, mask, positions),
             position_ids=positions, use_cache=False, **extra,
@@ -240,12 +256,27 @@ class Norm(View):
         return self.inner(value[0])  # type: ignore[no-any-return]
 
 
+def transformers_module() -> Any:
+    """transformers, or an error saying how to install it (the ``hf`` extra)."""
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "pipetrain.hf needs transformers: pip install 'pipetrain[hf]'"
+        ) from None
+    return transformers
+
+
+def _layer_type(config: Any, index: int) -> str | None:
+    types = getattr(config, "layer_types", None)
+    return None if types is None else str(types[index])
+
+
 def _mask_function(config: Any, index: int) -> Callable[..., Any]:
     """Block ``index``'s 4-D mask builder, as its model's forward picks it: sliding-window
     for a "sliding_attention" layer type (or a config with a sliding window and no layer
     types, as Mistral's), else causal."""
-    from transformers import masking_utils
-
+    masking_utils = transformers_module().masking_utils
     types = getattr(config, "layer_types", None)
     if types is not None:
         sliding = types[index] == "sliding_attention"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipetrain.hf as hf
-from tests.hf.models import batch, model
+from tests.hf.models import LLAMA_LIKE, batch, model, transformers
 
 ARCHS = ["llama", "llama-tied", "qwen3", "mistral", "gpt2"]
 
@@ -73,3 +73,28 @@ def test_token_weighted_across_micro_batches() -> None:
 def test_refuses_a_model_it_cannot_cut() -> None:
     with pytest.raises(TypeError, match="ForCausalLM"):
         hf.sequential(torch.nn.Linear(2, 2))
+
+
+MORE = ["Qwen2", "Gemma", "Gemma3Text", "Phi", "Phi3", "Olmo2", "Mixtral", "Granite"]
+
+
+@pytest.mark.parametrize("name", MORE)
+def test_more_architectures_with_a_plan_give_the_models_logits(name: str) -> None:
+    """Dropout after the embedding (Phi), rotary tables per attention type (Gemma 3),
+    mixtures of experts (Mixtral): the config's plan and the model's own modules cover them."""
+    made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0)
+    made._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(made).eval()
+    ids, mask, _ = batch()
+    layers = hf.sequential(m)
+    assert list(layers.state_dict()) == list(m.state_dict())
+    assert torch.equal(layers((ids, mask)), m(ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize(("name", "setting"), [("Gemma2", {}),
+                                                ("Granite", {"embedding_multiplier": 2.0})])
+def test_scaling_outside_the_modules_is_refused(name: str, setting: dict) -> None:
+    made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0, **setting)
+    with pytest.raises(TypeError, match="scales the embeddings or the logits"):
+        hf.sequential(transformers.AutoModelForCausalLM.from_config(made))
