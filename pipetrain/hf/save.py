@@ -17,7 +17,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,6 +24,7 @@ from partitioner.units import parse_bytes
 from pipetrain.checkpoints.checkpointing import module_states
 from pipetrain.checkpoints.weightfile import Index, write_safetensors
 from pipetrain.hf.load import INDEX, SINGLE
+from pipetrain.hf.sequential import transformers_module
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")  # not copied over
 
@@ -32,9 +32,7 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")  # not copi
 def _model_keys(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """The keys a checkpoint of ``config_dir``'s model holds, each tensor once, with their
     shapes; and the other keys of tied tensors (written once, under the first)."""
-    import transformers
-
-    auto: Any = transformers  # untyped in parts; mypy would check its calls
+    auto = transformers_module()
     config = auto.AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = auto.AutoModelForCausalLM.from_config(config)

@@ -19,7 +19,12 @@ import torch
 
 from pipetrain.hf.load import INDEX, SINGLE
 from pipetrain.hf.loss import causal_lm_loss, causal_lm_targets
-from pipetrain.hf.sequential import CausalLMLayers, initializer, sequential
+from pipetrain.hf.sequential import (
+    CausalLMLayers,
+    initializer,
+    sequential,
+    transformers_module,
+)
 from pipetrain.tools.task import TrainTask
 
 
@@ -27,9 +32,7 @@ def build_model(source: str | os.PathLike[str]) -> Any:
     """The causal LM that ``source`` (a Hugging Face directory or its config.json) describes,
     built from the config alone, on the current default device (meta, under
     ``with torch.device("meta")``): no weights are read here."""
-    import transformers
-
-    auto: Any = transformers
+    auto = transformers_module()
     path = Path(source)
     if not (path / "config.json").is_file() and not (path.is_file() and path.suffix == ".json"):
         raise ValueError(f"{source} is neither a Hugging Face directory (with config.json) nor "
