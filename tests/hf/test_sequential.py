@@ -47,7 +47,7 @@ def test_eager_and_sdpa_give_the_same_loss(arch: str) -> None:
     which the loss counts where the next token is real."""
     ids, mask, labels = batch(left=False)
     losses = [
-        float(hf.causal_lm_loss(hf.sequential(model(arch, attn))((ids, mask)), labels))
+        hf.causal_lm_loss(hf.sequential(model(arch, attn))((ids, mask)), labels).item()
         for attn in ("eager", "sdpa")
     ]
     assert abs(losses[0] - losses[1]) < 1e-5
