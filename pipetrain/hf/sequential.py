@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.runtime.stage_module import keyed
+from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
 
 
-class CausalLMLayers(nn.Sequential):
+class CausalLMLayers(KeyedLayers):
     """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
     a slice keeps the keys."""
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -40,6 +40,20 @@ def keyed(cls: type[S], layers: Iterable[tuple[str, nn.Module]]) -> S:
     for name, layer in layers:
         made._modules[name] = layer
     return made
+
+
+class KeyedLayers(nn.Sequential):
+    """A Sequential whose layers may have dotted names (:func:`keyed`). Loading a state_dict
+    checks a key against the layer whose name it starts with; torch's own check takes the key's
+    first dotted part for a layer's name, and would call "model.norm.weight" unexpected in a
+    slice that holds "model.norm" but no "model"."""
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
+    ) -> None:
+        layers = tuple(f"{prefix}{name}." for name in self._modules)
+        own = {k: v for k, v in state_dict.items() if not k.startswith(layers)}
+        super()._load_from_state_dict(own, prefix, *args, **kwargs)
 
 
 @dataclass
@@ -99,7 +113,7 @@ class LayerRun:
     cuts: Cuts | None = None
 
 
-class StageModule(nn.Sequential):
+class StageModule(KeyedLayers):
     """A stage's layers, called in order (see the module docstring)."""
 
     @classmethod
@@ -135,7 +149,7 @@ def _refused(name: str) -> Callable[..., NoReturn]:
     return refuse
 
 
-class PipelineLayers(nn.Sequential):
+class PipelineLayers(KeyedLayers):
     """This process's layers, keyed as in the full model: ``pipe.module``. The stages run the
     layers, never this module, so it refuses forward and backward hooks."""
 

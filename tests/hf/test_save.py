@@ -65,6 +65,20 @@ def test_python_writes_one_file(trained, tmp_path: Path) -> None:
     assert (loaded(out)(ids).logits - logits).abs().max() < 1e-5
 
 
+def test_a_pipeline_resumes_from_the_checkpoint(trained) -> None:
+    """The stage files hold HF keys, which pipe.load restores into the keyed layers."""
+    source, checkpoint, ids, logits = trained
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config("llama-tied"))
+    pipe = pipetrain.Pipeline(
+        hf.sequential(meta), balance=[2, 3], chunks=2, devices=["cpu", "cpu"],
+        weights=source, loss_fn=hf.causal_lm_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    assert pipe.load(checkpoint) == 2
+    assert torch.equal(pipe.eval_step(ids), logits)
+
+
 def test_refuses_another_models_config_and_a_used_directory(trained, tmp_path: Path) -> None:
     source, checkpoint, _, _ = trained
     config("qwen3").save_pretrained(tmp_path / "qwen3")

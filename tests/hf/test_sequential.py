@@ -25,6 +25,10 @@ def test_keys_are_the_models_and_load_strictly(arch: str) -> None:
     layers.load_state_dict(other.state_dict())  # strict: every key, no others
     for key, value in other.state_dict().items():
         assert torch.equal(m.state_dict()[key], value), key
+    tail = layers[-2:]  # the norm and the head: no layer named "model" here
+    tail.load_state_dict(tail.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "model.x.weight"'):
+        tail.load_state_dict({**tail.state_dict(), "model.x.weight": torch.zeros(1)})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
