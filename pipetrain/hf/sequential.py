@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,13 +78,14 @@ def sequential(model: Any) -> CausalLMLayers:
             "or build an nn.Sequential by hand"
         )
     positions = Positions(rotary) if rotary is not None else None
+    shared = Shared()
     blocks = getattr(base, layers_name)
     layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
     for index, block in enumerate(blocks):
         layers.append((
             f"{base_name}.{layers_name}.{index}",
-            Block(block, _mask_function(config, index), config, positions,
-                  _layer_type(config, index)),
+            Block(block, *_mask_function(config, index), config, positions,
+                  _layer_type(config, index), shared),
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
@@ -218,32 +221,80 @@ class Positions:
         return rotary(hidden, positions)
 
 
+class Shared:
+    """What the blocks derive alike from the mask and positions that travel (the 4-D mask of
+    each attention kind, the rotary cos/sin): the first block of a stage's forward computes
+    it, the next blocks reuse it (the same mask tensor passes through a stage's blocks), and
+    it is dropped with that mask. Stages in threads share it, hence the lock (re-entrant: a
+    mask may be collected, and forgotten here, while the lock is held)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], dict[Any, Any]]] = {}
+
+    def get(
+        self, mask: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, what: object,
+        make: Callable[[], Any],
+    ) -> Any:
+        key = (what, hidden.dtype, hidden.device)
+        with self._lock:
+            entry = self._entries.get(id(mask))
+            if entry is None or entry[0]() is not mask:
+                entry = (weakref.ref(mask), {})
+                self._entries[id(mask)] = entry
+                weakref.finalize(mask, self._forget, id(mask), entry[1])
+            hit = entry[1].get(key)
+            if hit is not None and hit[0] is positions:
+                return hit[1]
+        value = make()
+        with self._lock:
+            entry[1][key] = (positions, value)
+        return value
+
+    def __reduce__(self) -> tuple[type[Shared], tuple[()]]:
+        return Shared, ()  # a copy (deepcopy, pickle) starts empty, with a lock of its own
+
+    def _forget(self, key: int, values: dict[Any, Any]) -> None:
+        with self._lock:
+            if key in self._entries and self._entries[key][1] is values:
+                del self._entries[key]
+
+
 class Block(View):
     """A decoder block: builds its attention mask and rotary embedding from the mask and
-    positions that travel with the hidden states, runs the block, passes them on."""
+    positions that travel with the hidden states (or takes them from an earlier block of
+    the stage, :class:`Shared`), runs the block, passes them on."""
 
+    mask_kind: str
     mask: Callable[..., Any]
     config: Any
     positions: Positions | None
     layer_type: str | None
+    shared: Shared
 
     def __init__(
-        self, inner: nn.Module, mask: Callable[..., Any], config: Any,
-        positions: Positions | None, layer_type: str | None,
+        self, inner: nn.Module, mask_kind: str, mask: Callable[..., Any], config: Any,
+        positions: Positions | None, layer_type: str | None, shared: Shared,
     ):
         super().__init__(inner)
-        self.__dict__.update(mask=mask, config=config, positions=positions,
-                             layer_type=layer_type)
+        self.__dict__.update(mask_kind=mask_kind, mask=mask, config=config,
+                             positions=positions, layer_type=layer_type, shared=shared)
 
     def forward(self, value: Boundary) -> Boundary:
         hidden, mask, positions = value
         extra: dict[str, Any] = {}
-        if self.positions is not None:
-            extra["position_embeddings"] = self.positions(hidden, positions, self.layer_type)
-        out = self.inner(
-            hidden, attention_mask=self.mask(self.config, hidden, mask, positions),
-            position_ids=positions, use_cache=False, **extra,
+        rotary = self.positions
+        if rotary is not None:
+            extra["position_embeddings"] = self.shared.get(
+                mask, positions, hidden, ("rotary", self.layer_type),
+                lambda: rotary(hidden, positions, self.layer_type),
+            )
+        attention = self.shared.get(
+            mask, positions, hidden, ("mask", self.mask_kind),
+            lambda: self.mask(self.config, hidden, mask, positions),
         )
+        out = self.inner(hidden, attention_mask=attention, position_ids=positions,
+                         use_cache=False, **extra)
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
@@ -272,10 +323,10 @@ def _layer_type(config: Any, index: int) -> str | None:
     return None if types is None else str(types[index])
 
 
-def _mask_function(config: Any, index: int) -> Callable[..., Any]:
-    """Block ``index``'s 4-D mask builder, as its model's forward picks it: sliding-window
-    for a "sliding_attention" layer type (or a config with a sliding window and no layer
-    types, as Mistral's), else causal."""
+def _mask_function(config: Any, index: int) -> tuple[str, Callable[..., Any]]:
+    """Block ``index``'s kind of mask and its 4-D mask builder, as its model's forward picks
+    them: sliding-window for a "sliding_attention" layer type (or a config with a sliding
+    window and no layer types, as Mistral's), else causal."""
     masking_utils = transformers_module().masking_utils
     types = getattr(config, "layer_types", None)
     if types is not None:
@@ -303,5 +354,5 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
             kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
         return build(**kwargs)
 
-    return mask
+    return ("sliding" if sliding else "causal"), mask
 

@@ -102,3 +102,20 @@ def test_scaling_outside_the_modules_is_refused(name: str, setting: dict) -> Non
     made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0, **setting)
     with pytest.raises(TypeError, match="scales the embeddings or the logits"):
         hf.sequential(transformers.AutoModelForCausalLM.from_config(made))
+
+
+def test_a_stages_blocks_build_the_mask_once_and_drop_it_with_the_batch() -> None:
+    m = model("mistral").eval()  # sliding-window masks
+    layers = hf.sequential(m)
+    calls = []
+    for block in list(layers)[1:-2]:
+        build = block.mask
+        block.__dict__["mask"] = lambda *a, build=build: calls.append(1) or build(*a)
+    ids, mask, _ = batch()
+    logits = layers((ids, mask))
+    assert torch.equal(logits, m(ids, attention_mask=mask, use_cache=False).logits)
+    assert len(calls) == 1  # two blocks, one mask
+    shared = layers[1].shared
+    assert shared._entries  # held while the batch's mask lives
+    del mask, logits
+    assert not shared._entries
