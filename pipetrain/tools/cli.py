@@ -118,6 +118,12 @@ def _import_factory(target: str) -> Callable[..., Any]:
 
 def _load_profile(source: str, batch_size: int | None) -> Profile:
     """A profile JSON, a PipeDream graph.txt (by path or ``pipedream:NAME``)."""
+    if source.startswith("hf:"):
+        raise UsageError(
+            f"plan reads a profile; make one of {source} first: pipetrain profile {source} "
+            "--meta --input-shape BATCH,SEQ --input-dtype int64 --input-high VOCAB "
+            "-o profile.json"
+        )
     if source.startswith(PIPEDREAM_PREFIX) or source.endswith(".txt"):
         name = source.removeprefix(PIPEDREAM_PREFIX)
         try:

@@ -48,6 +48,12 @@ def test_profile_names_the_models_parts(planned) -> None:
     assert sum(Plan.load(plan).balance) == 5
 
 
+def test_plan_of_a_model_says_to_profile_it_first(planned, capsys) -> None:
+    folder, _ = planned
+    assert main(["plan", f"hf:{folder}", "--stages", "2", "--microbatches", "2"]) == 2
+    assert f"pipetrain profile hf:{folder} --meta" in capsys.readouterr().err
+
+
 def test_the_text_task_trains_from_the_plan(planned) -> None:
     """The task's model starts from the directory's weights: its first loss is the model's."""
     folder, plan = planned
