@@ -9,10 +9,11 @@ checkpoint loads into it and a pipeline's checkpoint is an HF checkpoint's conte
 
 What crosses a stage boundary is the flat tuple ``(hidden_states, attention_mask,
 position_ids)``: the 2-D padding mask (1 for a token, 0 for padding) and the positions travel
-with the activations, and each block builds its 4-D attention mask from them with
-transformers' own mask functions (causal, or sliding-window where the block's attention type
-says so; "eager" and "sdpa" alike), and its rotary cos/sin from the positions (rotary tables
-are buffers outside the state_dict, so they are computed on each rank's device, never loaded).
+with the activations. The blocks build the 4-D attention mask from them with transformers'
+own mask functions (causal, or sliding-window as the model's forward picks it; "eager" and
+"sdpa" alike) and the rotary cos/sin from the positions, once per stage's forward
+(:class:`Shared`); rotary tables are buffers outside the state_dict, so they are computed on
+each rank's device, never loaded.
 
 The first stage takes ``input_ids`` or ``(input_ids, attention_mask)`` (or ``(input_ids,
 attention_mask, position_ids)``); the last layer returns the logits.
@@ -84,7 +85,7 @@ def sequential(model: Any) -> CausalLMLayers:
     for index, block in enumerate(blocks):
         layers.append((
             f"{base_name}.{layers_name}.{index}",
-            Block(block, *_mask_function(config, index), config, positions,
+            Block(block, *_mask_function(config, index, base), config, positions,
                   _layer_type(config, index), shared),
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
@@ -323,10 +324,27 @@ def _layer_type(config: Any, index: int) -> str | None:
     return None if types is None else str(types[index])
 
 
-def _mask_function(config: Any, index: int) -> tuple[str, Callable[..., Any]]:
+def _slides(base: nn.Module) -> bool:
+    """Whether ``base``'s forward builds sliding-window masks (read from its source, the one
+    place that says so for a config without layer types)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        raise TypeError(
+            f"{type(base).__name__} has a sliding window in its config, no layer types, and no "
+            "source to tell whether its forward uses the window; pipetrain.hf.sequential "
+            "cannot pick its attention mask"
+        ) from None
+    return "create_sliding_window_causal_mask" in source
+
+
+def _mask_function(
+    config: Any, index: int, base: nn.Module,
+) -> tuple[str, Callable[..., Any]]:
     """Block ``index``'s kind of mask and its 4-D mask builder, as its model's forward picks
-    them: sliding-window for a "sliding_attention" layer type (or a config with a sliding
-    window and no layer types, as Mistral's), else causal."""
+    them: by the config's layer types where it has them, else sliding-window where the config
+    sets a window and ``base``'s forward builds sliding-window masks (Mistral's; some configs
+    store a window their model never uses), else causal."""
     masking_utils = transformers_module().masking_utils
     types = getattr(config, "layer_types", None)
     if types is not None:
@@ -337,7 +355,7 @@ def _mask_function(config: Any, index: int) -> tuple[str, Callable[..., Any]]:
                 "pipetrain.hf.sequential does not build masks for"
             )
     else:
-        sliding = getattr(config, "sliding_window", None) is not None
+        sliding = getattr(config, "sliding_window", None) is not None and _slides(base)
     build = (masking_utils.create_sliding_window_causal_mask if sliding
              else masking_utils.create_causal_mask)
     names = set(inspect.signature(build).parameters)

@@ -119,3 +119,16 @@ def test_a_stages_blocks_build_the_mask_once_and_drop_it_with_the_batch() -> Non
     assert shared._entries  # held while the batch's mask lives
     del mask, logits
     assert not shared._entries
+
+
+@pytest.mark.parametrize("name", ["Starcoder2", "Glm4"])
+def test_a_window_is_used_as_the_models_forward_uses_it(name: str) -> None:
+    """Both configs store sliding_window=3 without layer types: Starcoder2's forward builds
+    sliding-window masks, Glm4's ignores the window (causal). 9 tokens: a window of 3 shows."""
+    made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0, sliding_window=3)
+    made._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(made).eval()
+    ids, mask, _ = batch()
+    assert torch.equal(hf.sequential(m)((ids, mask)),
+                       m(ids, attention_mask=mask, use_cache=False).logits)
