@@ -70,8 +70,8 @@ def test_token_weighted_across_micro_batches() -> None:
     parts = [hf.causal_lm_loss(logits[i:i + 2], (targets[0][i:i + 2], targets[1][i:i + 2]))
              for i in (0, 2)]
     means = [hf.causal_lm_loss(logits[i:i + 2], labels[i:i + 2]) for i in (0, 2)]
-    assert abs(float(sum(parts) / 2) - float(whole)) < 1e-6
-    assert abs(float(sum(means) / 2) - float(whole)) > 1e-3  # the wrong weighting differs
+    assert abs((sum(parts) / 2).item() - whole.item()) < 1e-6
+    assert abs((sum(means) / 2).item() - whole.item()) > 1e-3  # the wrong weighting differs
 
 
 def test_refuses_a_model_it_cannot_cut() -> None:
