@@ -94,7 +94,7 @@ def test_the_tree_groups_every_module():
     top = sorted(p.name for p in (ROOT / "pipetrain").glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "_moved.py", "errors.py", "optim.py"]
     groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
-    assert groups == {"runtime", "training", "checkpoints", "observe", "tools"}
+    assert groups == {"runtime", "training", "checkpoints", "observe", "tools", "hf"}
 
 
 def _minor_versions(spec: str) -> list[str]:
@@ -157,3 +157,9 @@ def test_the_package_calls_nothing_newer_than_python_3_10():
         if (uses := _newer_uses(ast.parse(path.read_text())))
     }
     assert not newer, newer
+
+
+def test_import_pipetrain_and_pipetrain_hf_leave_transformers_unloaded():
+    """transformers (the ``hf`` extra) loads only when a Hugging Face model is used."""
+    out = _python("import sys, pipetrain, pipetrain.hf\nprint('transformers' in sys.modules)\n")
+    assert out.strip() == "False"

@@ -57,7 +57,8 @@ def blocks(text: str) -> list[Block]:
         if match["marker"] == "skip":
             skip = why
         elif match["marker"] == "needs" and importlib.util.find_spec(why) is None:
-            skip = f"needs {why}, not installed here (pip install \"pipetrain[viz]\")"
+            extra = {"transformers": "hf"}.get(why, "viz")
+            skip = f"needs {why}, not installed here (pip install \"pipetrain[{extra}]\")"
         line = text.count("\n", 0, match.start("code"))
         found.append(Block(line, match["lang"], match["code"], skip))
     return found

@@ -339,19 +339,23 @@ def consolidate_safetensors(folder: str | os.PathLike[str], output: str | os.Pat
     (keys as in its state_dict), one stage at a time: each stage file is memory-mapped, its
     tensors written, and it is let go before the next, so the whole model is never in memory.
     Returns the number of tensors."""
-    files = _stage_files(_checkpoint(folder))
     index: weightfile.Index = {}
-    for file in files:  # the header first: every tensor's dtype and shape
-        module = _read_stage(file, torch.device("cpu"), mmap=True)["module"]
+    for module in module_states(folder):  # the header first: every tensor's dtype and shape
         index.update({k: (v.dtype, tuple(v.shape)) for k, v in module.items()})
-        del module
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for file in files:
-            yield from _read_stage(file, torch.device("cpu"), mmap=True)["module"].items()
+        for module in module_states(folder):
+            yield from module.items()
 
     weightfile.write_safetensors(output, index, tensors())
     return len(index)
+
+
+def module_states(folder: str | os.PathLike[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's state_dict in the newest checkpoint of ``folder``, one stage's at a time,
+    in stage order, memory-mapped (pages are read when a tensor is used)."""
+    for file in _stage_files(_checkpoint(folder)):
+        yield _read_stage(file, torch.device("cpu"), mmap=True)["module"]
 
 
 def _checkpoint(folder: str | os.PathLike[str]) -> Path:

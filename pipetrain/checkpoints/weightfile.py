@@ -10,7 +10,8 @@ than through the ``safetensors`` package for those two reasons (reading into the
 itself, writing without the whole model in memory); the tests check that files round-trip with
 the package where it is installed. A ``.pt`` file is read with
 ``torch.load(mmap=True, weights_only=True)``: only the pages of this rank's tensors are read.
-Hosts are assumed little-endian, as safetensors' format is.
+Hosts are assumed little-endian, as safetensors' format is. A directory is a Hugging Face
+checkpoint (safetensors shards and their index: pipetrain/hf/load.py).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _read_into(f: BufferedReader, start: int, target: torch.Tensor) -> None:
         target.copy_(host)
 
 
-def _load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
+def load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Read each key of ``targets`` from the safetensors file ``path`` into its tensor."""
     with open(path, "rb") as f:
         header, data = _read_header(f, path)
         for key, target in targets.items():
@@ -130,11 +132,12 @@ def _load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
 
 def write_safetensors(
     path: str | os.PathLike[str], index: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write a safetensors file of the keys in ``index`` (in its order), taking their tensors
-    from ``tensors`` one at a time, in the same order: the file never needs them all at once."""
-    header: dict[str, dict[str, Any]] = {}
+    from ``tensors`` one at a time, in the same order: the file never needs them all at once.
+    ``metadata``: the header's string-to-string ``__metadata__``."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key, (dtype, shape) in index.items():
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -204,8 +207,15 @@ _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 def read_index(path: str | os.PathLike[str]) -> Index:
     """Every key of the file with its dtype and shape, read without the tensors' data."""
     path = Path(path)
+    if path.is_dir():  # a Hugging Face checkpoint directory
+        from pipetrain.hf import load
+
+        return load.read_index(path)
     if not path.is_file():
-        raise WeightFileError(f"{path} does not exist; pass a .safetensors or .pt file")
+        raise WeightFileError(
+            f"{path} does not exist; pass a .safetensors or .pt file, or a Hugging Face "
+            "checkpoint directory"
+        )
     if is_safetensors(path):
         return _safetensors_index(path)
     return {k: (v.dtype, tuple(v.shape)) for k, v in open_pt(path).items()}
@@ -213,9 +223,10 @@ def read_index(path: str | os.PathLike[str]) -> Index:
 
 def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) -> None:
     """One error listing every key the file lacks, every key the model lacks and every shape
-    that differs, against ``model``'s whole state_dict (on the meta device, or real)."""
+    that differs, against ``model``'s whole state_dict (on the meta device, or real). A key
+    the file lacks is not missing when its tensor is tied to a key the file has."""
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(wanted.keys() - index.keys())
+    missing = sorted(wanted.keys() - index.keys() - tied_keys(index, model).keys())
     unexpected = sorted(index.keys() - wanted.keys())
     shapes = sorted(
         f"{k}: {index[k][1]} in the file, {wanted[k]} in the model"
@@ -228,6 +239,10 @@ def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) ->
         if keys
     ]
     if problems:
+        if Path(path).is_dir():
+            from pipetrain.hf import load
+
+            path = load.source(path)
         raise WeightFileError(
             f"{path} does not fit the model: " + "; ".join(problems)
             + ". Pass the file saved from this model (keys as in model.state_dict()), or build "
@@ -235,14 +250,37 @@ def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) ->
         )
 
 
-def load_into(path: str | os.PathLike[str], module: nn.Module) -> None:
+def tied_keys(index: Index, model: nn.Module) -> dict[str, str]:
+    """The keys of ``model``'s state_dict that the file lacks but whose tensor is another key's
+    that it has (a head tied to the embedding, saved once as transformers does): that key."""
+    keys: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        keys.setdefault(id(tensor), []).append(key)
+    return {
+        key: saved[0]
+        for group in keys.values()
+        if (saved := [k for k in group if k in index])
+        for key in group if key not in index
+    }
+
+
+def load_into(
+    path: str | os.PathLike[str], module: nn.Module, tied: Mapping[str, str] | None = None,
+) -> None:
     """Read the tensors of ``module``'s state_dict keys (a stage's slice, keyed as the whole
-    model) from ``path`` into them, in place."""
+    model) from ``path`` into them, in place; ``tied`` (from :func:`tied_keys`) names the file
+    key of a tied tensor saved under another key."""
     path = Path(path)
-    targets = {k: v for k, v in module.state_dict(keep_vars=True).items()}
+    tied = tied or {}
+    targets = {tied.get(k, k): v for k, v in module.state_dict(keep_vars=True).items()}
     with torch.no_grad():
+        if path.is_dir():
+            from pipetrain.hf import load
+
+            load.load_into(path, {k: v.data for k, v in targets.items()})
+            return
         if is_safetensors(path):
-            _load_safetensors(path, {k: v.data for k, v in targets.items()})
+            load_safetensors(path, {k: v.data for k, v in targets.items()})
             return
         state = open_pt(path)
         for key, target in targets.items():

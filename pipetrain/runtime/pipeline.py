@@ -9,7 +9,6 @@ share: the options (config.py), the schedule, the stages and the steps.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.runtime.stage_module import PipelineLayers
+from pipetrain.runtime.stage_module import PipelineLayers, keyed
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
@@ -143,7 +142,9 @@ class Pipeline:
         init: ``init(layer)``, the rule's initialization of one layer, in place of its
             modules' ``reset_parameters()``.
         weights: a whole-model ``.safetensors`` or ``.pt`` file, keys as in
-            ``model.state_dict()``: each stage reads only its own tensors
+            ``model.state_dict()``, or a Hugging Face checkpoint directory (pipetrain/hf/load.py;
+            a tied weight saved once is read for each of its keys): each stage reads only its
+            own tensors
             (pipetrain/checkpoints/weightfile.py). Missing, unexpected or wrongly shaped keys are
             refused in one error.
         nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
@@ -229,8 +230,8 @@ class Pipeline:
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
-        self._layers = PipelineLayers(
-            OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
+        self._layers = keyed(
+            PipelineLayers, (kv for stage in self.stages for kv in stage.module.named_children())
         )
         self._start_training(ties)
         logger.info(

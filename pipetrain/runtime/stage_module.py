@@ -22,13 +22,38 @@ never call, so it refuses hooks rather than ignore them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
+
+S = TypeVar("S", bound=nn.Sequential)
+
+
+def keyed(cls: type[S], layers: Iterable[tuple[str, nn.Module]]) -> S:
+    """An ``nn.Sequential`` of class ``cls`` holding ``layers`` under their names as given.
+    ``nn.Sequential``'s constructor refuses names with dots, which pipetrain.hf's layers have:
+    the layer keyed "model.layers.0" gives the Hugging Face model's own state_dict keys."""
+    made = cls()
+    for name, layer in layers:
+        made._modules[name] = layer
+    return made
+
+
+class KeyedLayers(nn.Sequential):
+    """A Sequential whose layers may have dotted names (:func:`keyed`). Loading a state_dict
+    checks a key against the layer whose name it starts with; torch's own check takes the key's
+    first dotted part for a layer's name, and would call "model.norm.weight" unexpected in a
+    slice that holds "model.norm" but no "model"."""
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
+    ) -> None:
+        layers = tuple(f"{prefix}{name}." for name in self._modules)
+        own = {k: v for k, v in state_dict.items() if not k.startswith(layers)}
+        super()._load_from_state_dict(own, prefix, *args, **kwargs)
 
 
 @dataclass
@@ -88,7 +113,7 @@ class LayerRun:
     cuts: Cuts | None = None
 
 
-class StageModule(nn.Sequential):
+class StageModule(KeyedLayers):
     """A stage's layers, called in order (see the module docstring)."""
 
     @classmethod
@@ -96,7 +121,7 @@ class StageModule(nn.Sequential):
         """``module``'s layers (the same objects, under the same keys) as a StageModule."""
         if isinstance(module, StageModule):
             return module
-        return cls(OrderedDict(module.named_children()))
+        return keyed(cls, module.named_children())
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""
@@ -124,7 +149,7 @@ def _refused(name: str) -> Callable[..., NoReturn]:
     return refuse
 
 
-class PipelineLayers(nn.Sequential):
+class PipelineLayers(KeyedLayers):
     """This process's layers, keyed as in the full model: ``pipe.module``. The stages run the
     layers, never this module, so it refuses forward and backward hooks."""
 

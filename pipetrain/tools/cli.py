@@ -72,7 +72,12 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _import_factory(target: str) -> Callable[..., Any]:
-    """The function named by ``module.path:function`` or ``path/to/file.py:function``."""
+    """The function named by ``module.path:function`` or ``path/to/file.py:function``; for
+    ``hf:DIR`` (a Hugging Face directory or config JSON), one that builds its layers."""
+    if target.startswith("hf:"):
+        from pipetrain.hf.task import layers
+
+        return lambda: layers(target.removeprefix("hf:"))
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise UsageError(
@@ -113,6 +118,12 @@ def _import_factory(target: str) -> Callable[..., Any]:
 
 def _load_profile(source: str, batch_size: int | None) -> Profile:
     """A profile JSON, a PipeDream graph.txt (by path or ``pipedream:NAME``)."""
+    if source.startswith("hf:"):
+        raise UsageError(
+            f"plan reads a profile; make one of {source} first: pipetrain profile {source} "
+            "--meta --input-shape BATCH,SEQ --input-dtype int64 --input-high VOCAB "
+            "-o profile.json"
+        )
     if source.startswith(PIPEDREAM_PREFIX) or source.endswith(".txt"):
         name = source.removeprefix(PIPEDREAM_PREFIX)
         try:
@@ -545,6 +556,13 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         raise UsageError(f"{output.parent} does not exist; create it or write elsewhere (-o)")
     with warnings.catch_warnings(record=True) as fell_back:
         warnings.simplefilter("always")
+        if args.hf is not None:
+            from pipetrain.hf.save import save
+
+            save(args.folder, args.hf, output, args.max_shard_size)
+            count = len(list(output.glob("*.safetensors")))
+            print(f"Hugging Face checkpoint ({count} safetensors file(s)) written to {output}")
+            return 0
         if output.suffix == ".safetensors":
             count = consolidate_safetensors(args.folder, output)
         else:
@@ -616,7 +634,8 @@ def _add_profile_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument(
         "model",
         help="MODULE:FUNCTION returning an nn.Sequential "
-        "(e.g. examples.models:resnet_like, or path/to/file.py:make_model)",
+        "(e.g. examples.models:resnet_like, or path/to/file.py:make_model), or hf:DIR, a "
+        "Hugging Face causal LM's directory or config JSON (pipetrain.hf.sequential of it)",
     )
     p.add_argument("--input-shape", required=True, help="e.g. 64,3,32,32 (dimension 0: batch)")
     p.add_argument("--input-dtype", default="float32", help="float32 (default), int64, ...")
@@ -750,8 +769,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder")
     p.add_argument(
         "-o", "--output", required=True,
-        help="FILE.safetensors (safetensors, stage by stage) or any other name (torch.save)",
+        help="FILE.safetensors (safetensors, stage by stage) or any other name (torch.save); "
+        "with --hf, a new directory",
     )
+    p.add_argument(
+        "--hf", metavar="CONFIG_DIR",
+        help="write a Hugging Face checkpoint directory (config.json and the tokenizer files "
+        "of CONFIG_DIR, safetensors shards, tied weights once) that "
+        "AutoModelForCausalLM.from_pretrained loads; needs pipetrain[hf]",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per shard")
     p.set_defaults(run=cmd_consolidate)
     add_train_command(sub, _import_factory)
     return parser

@@ -15,7 +15,6 @@ seeds and methods needs (benchmarks/staleness_study.py).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
 
@@ -25,6 +24,7 @@ from torch import nn
 from pipetrain.runtime.assembly import split
 from pipetrain.runtime.data_parallel import tied_parameters
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
+from pipetrain.runtime.stage_module import keyed
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.weights import stage_versions
 from schedules import build, lookup
@@ -112,7 +112,7 @@ class DelayedPipeline:
     @property
     def module(self) -> nn.Sequential:
         layers = [(k, m) for stage in self.stages for k, m in stage.module.named_children()]
-        return nn.Sequential(OrderedDict(layers))
+        return keyed(nn.Sequential, layers)
 
     def train_step(self, x: object, y: object) -> None:
         """Feed one unit; run every tick it makes possible."""

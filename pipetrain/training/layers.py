@@ -4,8 +4,9 @@ A Pipeline's stages here get their layers in one of three ways, chosen by ``Laye
 a model built eagerly is moved to each stage's device (optionally re-initialized first by the
 per-layer rule, ``init_seed``); a model built on the meta device has only this process's layers
 materialized, on their devices, and initialized by the rule (pipetrain/training/lazy.py); and with
-``weights`` (a whole-model safetensors or .pt file) each stage reads its own tensors from the
-file, checked against the whole model's keys and shapes first, the same check on every rank.
+``weights`` (a whole-model safetensors or .pt file, or a Hugging Face checkpoint directory)
+each stage reads its own tensors from the file, checked against the whole model's keys and
+shapes first, the same check on every rank.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class LayerSource:
         """Stage s (of ``devices``, stage -> device) on its device with its values. Returns
         the tensors that replaced meta ones, by the meta tensor's id."""
         made: dict[int, torch.Tensor] = {}
+        tied: dict[str, str] = {}
+        if self.weights is not None:  # before materializing: tied tensors are still shared
+            tied = weightfile.tied_keys(weightfile.read_index(self.weights), model)
         if is_meta(model):
             where = {
                 offset + i: devices[s]
@@ -72,7 +76,7 @@ class LayerSource:
                 parts[s][1].to(device)
         if self.weights is not None:
             for s in devices:
-                weightfile.load_into(self.weights, parts[s][1])
+                weightfile.load_into(self.weights, parts[s][1], tied)
         return made
 
 

@@ -1,0 +1,376 @@
+"""A Hugging Face causal LM as an ``nn.Sequential`` keyed exactly as the model.
+
+``sequential(model)`` lays a ``*ForCausalLM`` out as pipetrain's layers: the embedding (token
+embedding, and GPT-2's position table), one layer per decoder block, the final norm, the output
+head. Each layer is registered under the dotted path of its part in the model ("model",
+"model.layers.0", ..., "model.norm", "lm_head"), and a block's layer holds the block's own
+parameters at its top level, so ``state_dict()`` has the model's keys, in its order: an HF
+checkpoint loads into it and a pipeline's checkpoint is an HF checkpoint's contents.
+
+What crosses a stage boundary is the flat tuple ``(hidden_states, attention_mask,
+position_ids)``: the 2-D padding mask (1 for a token, 0 for padding) and the positions travel
+with the activations. The blocks build the 4-D attention mask from them with transformers'
+own mask functions (causal, or sliding-window as the model's forward picks it; "eager" and
+"sdpa" alike) and the rotary cos/sin from the positions, once per stage's forward
+(:class:`Shared`); rotary tables are buffers outside the state_dict, so they are computed on
+each rank's device, never loaded.
+
+The first stage takes ``input_ids`` or ``(input_ids, attention_mask)`` (or ``(input_ids,
+attention_mask, position_ids)``); the last layer returns the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.stage_module import KeyedLayers, keyed
+
+Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
+
+
+class CausalLMLayers(KeyedLayers):
+    """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
+    a slice keeps the keys."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return keyed(type(self), list(self._modules.items())[index])
+        return super().__getitem__(index)
+
+
+def sequential(model: Any) -> CausalLMLayers:
+    """``model`` (a transformers ``*ForCausalLM``, built eagerly or on the meta device) as
+    pipetrain's layers, sharing its parameters: embedding, one layer per decoder block, final
+    norm, head. Architectures whose config declares ``base_model_pp_plan`` (Llama, Mistral,
+    Qwen2/3 and others) and GPT-2 are understood; anything else is refused, naming why."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if config is None or head is None:
+        raise TypeError(
+            f"pipetrain.hf.sequential takes a transformers *ForCausalLM (a model with a config "
+            f"and an output head), got {type(model).__name__}"
+        )
+    _refuse_extras(config)
+    (base_name, base), = [(n, m) for n, m in model.named_children() if m is model.base_model]
+    (head_name,) = [n for n, m in model.named_children() if m is head]
+    plan = list(getattr(config, "base_model_pp_plan", None) or ())
+    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
+        layers_name, norm_name = plan[-2:]
+        # what comes before the blocks: the token embedding, then (Phi) its dropout
+        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
+        rotary = getattr(base, "rotary_emb", None)
+    elif not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
+        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop})
+        layers_name, norm_name, rotary = "h", "ln_f", None
+    else:
+        raise TypeError(
+            f"{type(model).__name__}: its config declares no base_model_pp_plan of embedding, "
+            f"blocks, norm ({plan or 'none'}) and it is not GPT-2, so pipetrain cannot tell "
+            "where to cut it; pass a model whose config has one (Llama, Mistral, Qwen2/3, ...) "
+            "or build an nn.Sequential by hand"
+        )
+    positions = Positions(rotary) if rotary is not None else None
+    shared = Shared()
+    blocks = getattr(base, layers_name)
+    layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
+    for index, block in enumerate(blocks):
+        layers.append((
+            f"{base_name}.{layers_name}.{index}",
+            Block(block, *_mask_function(config, index, base), config, positions,
+                  _layer_type(config, index), shared),
+        ))
+    layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
+    layers.append((head_name, head))
+    return keyed(CausalLMLayers, layers)
+
+
+def initializer(model: Any) -> Callable[[nn.Module], None]:
+    """``init`` for ``Pipeline(layers, init_seed=..., init=initializer(model))``: each layer
+    initialized by the model's own rule (transformers' ``_init_weights`` of every module in
+    it), so a model built on the meta device from a config trains from the weights
+    transformers would give it (drawn per layer from pipetrain's seed: any split alike)."""
+
+    def init(layer: nn.Module) -> None:
+        for module in layer.modules():
+            model._init_weights(module.inner if isinstance(module, View) else module)
+
+    return init
+
+
+def _refuse_extras(config: Any) -> None:
+    """Refuse the architectures whose forward scales the embeddings or the logits outside
+    the modules (the layers would not reproduce it)."""
+    extras = [
+        name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                          "embedding_multiplier")
+        if getattr(config, name, None) not in (None, 1, 1.0)
+    ]
+    if extras:
+        raise TypeError(
+            f"{type(config).__name__} sets {', '.join(extras)}: its forward scales the "
+            "embeddings or the logits outside their modules, which pipetrain.hf.sequential does "
+            "not reproduce"
+        )
+
+
+def _inputs(value: object) -> Boundary:
+    """The first stage's input as (input_ids, attention_mask, position_ids), filling in an
+    all-ones mask and positions 0..T-1 where absent."""
+    given = list(value) if isinstance(value, tuple | list) else [value]
+    members = [m for m in given if isinstance(m, torch.Tensor)]
+    if not 1 <= len(given) <= 3 or len(members) != len(given):
+        raise TypeError(
+            "the first stage takes input_ids or (input_ids, attention_mask) or (input_ids, "
+            f"attention_mask, position_ids), tensors of shape (batch, seq); got {value!r:.100}"
+        )
+    ids = members[0]
+    if ids.dim() != 2 or ids.is_floating_point():
+        raise ValueError(f"input_ids must be integer token ids of shape (batch, seq), got "
+                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+    mask = members[1] if len(members) > 1 else torch.ones_like(ids)
+    if len(members) > 2:
+        positions = members[2]
+    else:
+        positions = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+    for what, tensor in (("attention_mask", mask), ("position_ids", positions)):
+        if tuple(tensor.shape) != tuple(ids.shape):
+            raise ValueError(f"{what} has shape {tuple(tensor.shape)}, input_ids "
+                             f"{tuple(ids.shape)}: pass one value per token")
+    return ids, mask, positions
+
+
+class Embedding(nn.Module):
+    """The first layer: the base model's modules before its blocks, under their own names (so
+    its keys are "model.embed_tokens.weight" or "transformer.wte.weight", ...): the token
+    embedding first, GPT-2's "wpe" adding the learned positions, then the others in order
+    (dropout)."""
+
+    def __init__(self, parts: dict[str, nn.Module]):
+        super().__init__()
+        for name, part in parts.items():
+            self.add_module(name, part)
+
+    def forward(self, value: object) -> Boundary:
+        ids, mask, positions = _inputs(value)
+        tokens, *rest = self._modules.items()
+        hidden = tokens[1](ids)  # type: ignore[misc]
+        for name, part in rest:
+            if name == "wpe":
+                hidden = hidden + part(positions)  # type: ignore[misc]
+            else:
+                hidden = part(hidden)  # type: ignore[misc]
+        return hidden, mask, positions
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
+    ) -> None:
+        """Check only this layer's own keys: the later layers' keys share its prefix
+        ("model.layers.0..." under "model.") and are theirs to load."""
+        own = {k: v for k, v in state_dict.items()
+               if k[len(prefix):].split(".", 1)[0] in self._modules}
+        super()._load_from_state_dict(own, prefix, *args, **kwargs)
+
+
+class View(nn.Module):
+    """An HF module under its own keys, with pipetrain's forward: it shares the module's
+    parameters, buffers and submodules (the same dictionaries, so moving, materializing or
+    loading this layer does so to the module) and calls the module itself."""
+
+    inner: nn.Module
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            self.__dict__[registry] = inner.__dict__[registry]
+        self.__dict__["inner"] = inner  # not a submodule: its contents are this layer's
+
+    def train(self, mode: bool = True) -> View:
+        super().train(mode)
+        self.inner.training = mode
+        return self
+
+
+class Positions:
+    """Rotary cos/sin from position ids, with a copy of the model's rotary module per device
+    (its tables are buffers outside the state_dict: computed from the config, never loaded;
+    a meta-device model's are rebuilt here)."""
+
+    def __init__(self, rotary: nn.Module):
+        with torch.device("cpu"):
+            self.rotary = type(rotary)(config=rotary.config)
+        self.copies: dict[torch.device, nn.Module] = {}
+        self.per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str | None,
+    ) -> Any:
+        rotary = self.copies.get(hidden.device)
+        if rotary is None:
+            rotary = self.copies.setdefault(hidden.device, copy.deepcopy(self.rotary).to(
+                hidden.device))
+        if layer_type is not None and self.per_type:  # Gemma 3: a table per attention type
+            return rotary(hidden, positions, layer_type)
+        return rotary(hidden, positions)
+
+
+class Shared:
+    """What the blocks derive alike from the mask and positions that travel (the 4-D mask of
+    each attention kind, the rotary cos/sin): the first block of a stage's forward computes
+    it, the next blocks reuse it (the same mask tensor passes through a stage's blocks), and
+    it is dropped with that mask. Stages in threads share it, hence the lock (re-entrant: a
+    mask may be collected, and forgotten here, while the lock is held)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], dict[Any, Any]]] = {}
+
+    def get(
+        self, mask: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, what: object,
+        make: Callable[[], Any],
+    ) -> Any:
+        key = (what, hidden.dtype, hidden.device)
+        with self._lock:
+            entry = self._entries.get(id(mask))
+            if entry is None or entry[0]() is not mask:
+                entry = (weakref.ref(mask), {})
+                self._entries[id(mask)] = entry
+                weakref.finalize(mask, self._forget, id(mask), entry[1])
+            hit = entry[1].get(key)
+            if hit is not None and hit[0] is positions:
+                return hit[1]
+        value = make()
+        with self._lock:
+            entry[1][key] = (positions, value)
+        return value
+
+    def __reduce__(self) -> tuple[type[Shared], tuple[()]]:
+        return Shared, ()  # a copy (deepcopy, pickle) starts empty, with a lock of its own
+
+    def _forget(self, key: int, values: dict[Any, Any]) -> None:
+        with self._lock:
+            if key in self._entries and self._entries[key][1] is values:
+                del self._entries[key]
+
+
+class Block(View):
+    """A decoder block: builds its attention mask and rotary embedding from the mask and
+    positions that travel with the hidden states (or takes them from an earlier block of
+    the stage, :class:`Shared`), runs the block, passes them on."""
+
+    mask_kind: str
+    mask: Callable[..., Any]
+    config: Any
+    positions: Positions | None
+    layer_type: str | None
+    shared: Shared
+
+    def __init__(
+        self, inner: nn.Module, mask_kind: str, mask: Callable[..., Any], config: Any,
+        positions: Positions | None, layer_type: str | None, shared: Shared,
+    ):
+        super().__init__(inner)
+        self.__dict__.update(mask_kind=mask_kind, mask=mask, config=config,
+                             positions=positions, layer_type=layer_type, shared=shared)
+
+    def forward(self, value: Boundary) -> Boundary:
+        hidden, mask, positions = value
+        extra: dict[str, Any] = {}
+        rotary = self.positions
+        if rotary is not None:
+            extra["position_embeddings"] = self.shared.get(
+                mask, positions, hidden, ("rotary", self.layer_type),
+                lambda: rotary(hidden, positions, self.layer_type),
+            )
+        attention = self.shared.get(
+            mask, positions, hidden, ("mask", self.mask_kind),
+            lambda: self.mask(self.config, hidden, mask, positions),
+        )
+        out = self.inner(hidden, attention_mask=attention, position_ids=positions,
+                         use_cache=False, **extra)
+        if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
+            out = out[0]
+        return out, mask, positions
+
+
+class Norm(View):
+    """The final norm: takes the boundary tuple, returns the normalized hidden states."""
+
+    def forward(self, value: Boundary) -> torch.Tensor:
+        return self.inner(value[0])  # type: ignore[no-any-return]
+
+
+def transformers_module() -> Any:
+    """transformers, or an error saying how to install it (the ``hf`` extra)."""
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "pipetrain.hf needs transformers: pip install 'pipetrain[hf]'"
+        ) from None
+    return transformers
+
+
+def _layer_type(config: Any, index: int) -> str | None:
+    types = getattr(config, "layer_types", None)
+    return None if types is None else str(types[index])
+
+
+def _slides(base: nn.Module) -> bool:
+    """Whether ``base``'s forward builds sliding-window masks (read from its source, the one
+    place that says so for a config without layer types)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        raise TypeError(
+            f"{type(base).__name__} has a sliding window in its config, no layer types, and no "
+            "source to tell whether its forward uses the window; pipetrain.hf.sequential "
+            "cannot pick its attention mask"
+        ) from None
+    return "create_sliding_window_causal_mask" in source
+
+
+def _mask_function(
+    config: Any, index: int, base: nn.Module,
+) -> tuple[str, Callable[..., Any]]:
+    """Block ``index``'s kind of mask and its 4-D mask builder, as its model's forward picks
+    them: by the config's layer types where it has them, else sliding-window where the config
+    sets a window and ``base``'s forward builds sliding-window masks (Mistral's; some configs
+    store a window their model never uses), else causal."""
+    masking_utils = transformers_module().masking_utils
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        sliding = types[index] == "sliding_attention"
+        if types[index] not in ("full_attention", "sliding_attention"):
+            raise TypeError(
+                f"layer {index} has attention type {types[index]!r}, which "
+                "pipetrain.hf.sequential does not build masks for"
+            )
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None and _slides(base)
+    build = (masking_utils.create_sliding_window_causal_mask if sliding
+             else masking_utils.create_causal_mask)
+    names = set(inspect.signature(build).parameters)
+
+    def mask(config: Any, hidden: torch.Tensor, padding: torch.Tensor,
+             positions: torch.Tensor) -> Any:
+        if hidden.is_meta:  # shapes only (meta profiling): the mask's values are not there
+            return None
+        kwargs: dict[str, Any] = {"config": config, "attention_mask": padding,
+                                  "position_ids": positions}
+        kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
+        kwargs["cache" if "cache" in names else "past_key_values"] = None
+        if "cache_position" in names:  # transformers before 5: positions of this call
+            kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+        return build(**kwargs)
+
+    return ("sliding" if sliding else "causal"), mask
+
