@@ -31,6 +31,12 @@ import torch
 from torch import nn
 
 
+def positions(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every (key, layer) of ``module`` in order, a layer used at several positions listed at
+    each, as the model runs it (``named_children`` lists a module once)."""
+    return [(key, layer) for key, layer in module._modules.items() if layer is not None]
+
+
 @dataclass
 class Cut:
     """One layer's cut: its outputs (W starts there), the aliases later layers read (B takes
@@ -93,10 +99,11 @@ class StageModule(nn.Sequential):
 
     @classmethod
     def of(cls, module: nn.Sequential) -> StageModule:
-        """``module``'s layers (the same objects, under the same keys) as a StageModule."""
+        """``module``'s layers (the same objects, under the same keys, a layer used twice at
+        both positions) as a StageModule."""
         if isinstance(module, StageModule):
             return module
-        return cls(OrderedDict(module.named_children()))
+        return cls(OrderedDict(positions(module)))
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""
