@@ -144,7 +144,7 @@ class DelayedPipeline:
             while self._forwarded[s] <= t + self.lags[s] and self._forwarded[s] < self._fed:
                 self._forward(s, self._forwarded[s])
                 self._forwarded[s] += 1
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         for stage in reversed(self.stages):
             grads = stage.backward(t, grads)
         self._update(*self._units.pop(t))
