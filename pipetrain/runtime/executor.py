@@ -451,7 +451,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if not stage.is_last:
             grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
-            if not self.schedule.asynchronous:
+            if grads and not self.schedule.asynchronous:
                 present = self._present.get(action.stage)
                 if present is None:
                     raise PipelineError(

@@ -187,6 +187,8 @@ CASES = {
     ),
     # stages 1 (of 2) and 2 (of 4) begin with Detach: earlier weights get no gradient at all
     "detached_stage_input": Case(_detached, {2: [2, 3], 4: [1, 1, 2, 1]}, (6,), adamw),
+    # ... and end with it: nothing that crosses the boundary needs a gradient
+    "detached_stage_output": Case(_detached, {2: [3, 2], 4: [1, 2, 1, 1]}, (6,), adamw),
     # stages that begin with an in-place op
     "inplace_stage_start": Case(_inplace_start, {2: [1, 4], 4: [1, 2, 1, 1]}, (6,)),
     "cnn_cut_before_relu": Case(_cnn_cut_before_relu, {2: [1, 5], 4: [1, 2, 1, 2]}, (2, 4, 4)),
@@ -259,6 +261,7 @@ def test_one_rank_holding_every_stage(name):
 
 PROCESS_SAMPLE = [("linear_twice", "zb-h1"), ("inplace_on_flatten", "1f1b"),
                   ("detached_stage_input", "1f1b"), ("detached_stage_input", "zb-h2"),
+                  ("detached_stage_output", "gpipe"),
                   ("inplace_stage_start", "gpipe"), ("block_four_times", "interleaved")]
 
 
