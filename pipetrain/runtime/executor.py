@@ -21,6 +21,14 @@ change between mini-batches. So that the first payload's receive need not wait f
 the sender's transport thread next gets a core: milliseconds, on the pipeline's critical path),
 the receiver posts it at once with the previous call's shapes. The sender knows those shapes
 too: when they changed, it first sends a stand-in of the old shapes to fill that receive.
+
+A gradient may be absent: a stage whose input got no gradient (a detached path) sends none,
+so that the stages before it leave ``.grad`` None and an optimizer skips their weights, as
+in plain training. The receiver has posted its receive already, so the message keeps its
+tensors (zeros stand in), and in each call of a synchronous schedule the gradients of the
+sending stage's first backward come with a second header saying which are there, which the
+receiver waits for at its first gradient receive; every micro-batch of the call must have
+the same ones. Asynchronous schedules send every gradient (zeros where none flows).
 """
 
 from __future__ import annotations
@@ -72,6 +80,8 @@ class Carry:
     headers: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per stage, the header encoding ``shapes_out`` (sent again while they stay the same:
     only its reader touches it)."""
+    presence: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    """The headers saying which gradients a message holds, per pattern (sent again)."""
     in_flight: dict[tuple[int, int], BoundaryMeta] = field(default_factory=dict)
     """Asynchronous schedules: (stage, global micro-batch) -> the shapes its forward sent, for
     the receive of the gradient that comes back in a later call."""
@@ -142,6 +152,17 @@ class Executor:
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
         self._early = self._early_gradients() if training else {}
+        # the header of which gradients are there: sent with each stage's first backward,
+        # waited for at each stage's first gradient receive (see the module docstring)
+        self._first_backward: dict[int, int] = {}
+        for ops in schedule.actions.values():
+            for a in ops:
+                if a.kind is Kind.BACKWARD:
+                    self._first_backward.setdefault(a.stage, a.microbatch)
+        self._first_recv_grad: dict[int, Action] = {}
+        for a in self.actions:
+            if a.kind is Kind.RECV_GRAD:
+                self._first_recv_grad.setdefault(a.stage, a)
         self._owed: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> W's key, see _do_send
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
@@ -153,6 +174,11 @@ class Executor:
         self._received: dict[Action, list[torch.Tensor]] = {}
         self._posted: dict[Action, Handle] = {}
         self._guessed: dict[Action, Handle] = {}  # first payloads posted with last call's shapes
+        # per stage, which of its outputs' gradients come back this call (see the docstring),
+        # as the next stage announced it; and per stage, which input gradients it sends
+        self._present: dict[int, tuple[bool, ...]] = {}
+        self._presence_posted: dict[Action, Handle] = {}
+        self._sent_present: dict[int, tuple[bool, ...]] = {}
         self._sends: list[tuple[Action, Handle]] = []
         self._next_recv = 0
         self._outputs: list[object] = []
@@ -298,6 +324,12 @@ class Executor:
             last = self.carry.shapes_in.get(action.stage) if header else None
             try:
                 self._posted[action] = self.transport.recv(metas, peer, number)
+                if self._announces(action, len(metas)):
+                    first = Action(action.kind, action.stage, self._first_backward[_peer(action)])
+                    self._presence_posted[action] = self.transport.recv(
+                        (TensorMeta((len(metas),), torch.int64, False),), peer,
+                        self._tag(first, header=True),
+                    )
                 if last is not None:
                     self._guessed[action] = self.transport.recv(
                         last.tensors, peer, self._tag(action)
@@ -305,6 +337,20 @@ class Executor:
             except PeerError as error:
                 self._peer_failed(action, error, "receiving from")
             self._next_recv += 1
+
+    def _announces(self, action: Action, count: int) -> bool:
+        """Whether ``action`` (a send or receive of ``count`` gradients) sends or waits for
+        the header saying which are there (see the module docstring): on a synchronous
+        schedule, between ranks, the sender's first backward and the receiver's first
+        gradient receive."""
+        if action.kind is Kind.SEND_GRAD:
+            first = action.microbatch == self._first_backward.get(action.stage)
+        else:
+            first = action == self._first_recv_grad.get(action.stage)
+        return (
+            first and count > 0 and not self.schedule.asynchronous
+            and not self.schedule.local(action.stage, _peer(action))
+        )
 
     def _tag(self, action: Action, header: bool = False) -> int:
         if self.schedule.asynchronous:  # tag by global number: a message may cross calls
@@ -366,6 +412,10 @@ class Executor:
 
     def _do_recv_grad(self, action: Action) -> None:
         self._received[action] = self._receive(action)
+        presence = self._presence_posted.pop(action, None)
+        if presence is not None:
+            mask = self._wait(action, presence)[0]
+            self._present[action.stage] = tuple(bool(v) for v in mask.tolist())
 
     # -- compute ----------------------------------------------------------------------------
 
@@ -419,16 +469,61 @@ class Executor:
 
     def _do_backward(self, action: Action) -> list[Outgoing]:
         i, stage = action.microbatch, self.stages[action.stage]
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         if not stage.is_last:
-            grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
+            grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
+            if grads and not self.schedule.asynchronous:
+                present = self._present.get(action.stage)
+                if present is None:
+                    raise PipelineError(
+                        f"{self._where()}: micro-batch {i}'s gradients arrived before the "
+                        "header saying which are there; the schedule is out of order"
+                    )
+                grads = [g if there else None for g, there in zip(grads, present, strict=True)]
         input_grads = stage.backward(self.base + i, grads, self.loss_scale)
         self.carry.in_flight.pop((action.stage, self.base + i), None)
         if not self.schedule.splits_backward and stage.weights_pending(self.base + i):
             self._owed[action.stage, i] = self.base + i  # input gradients first: _do_send
         if stage.is_first:
             return []
-        return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
+        return self._gradients_out(Action(Kind.SEND_GRAD, action.stage, i), input_grads)
+
+    def _gradients_out(
+        self, send: Action, grads: list[torch.Tensor | None]
+    ) -> list[Outgoing]:
+        """The messages of ``send``: its gradients (zeros standing in for absent ones) and,
+        where it announces them, which are there (see the module docstring). A stage of this
+        rank learns that directly."""
+        present = tuple(g is not None for g in grads)
+        tensors = [g for g in grads if g is not None]
+        if not all(present):  # (never on asynchronous schedules: their stages send zeros)
+            metas = self._in_meta[send.stage].grad_metas
+            device = self.transport.device
+            tensors = [
+                g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
+                for g, m in zip(grads, metas, strict=True)
+            ]
+        if self.schedule.asynchronous:
+            return [(send, tensors, False)]
+        first = self._sent_present.setdefault(send.stage, present)
+        if present != first:
+            raise StageError(
+                f"stage {send.stage}: micro-batch {send.microbatch} has gradients for its "
+                f"inputs {[k for k, p in enumerate(present) if p]} but an earlier micro-batch "
+                f"for {[k for k, p in enumerate(first) if p]}; every micro-batch of a "
+                "mini-batch must backpropagate to the same stage inputs (a detach or "
+                "branch that depends on the data cannot cross a stage boundary)"
+            )
+        if self.schedule.local(send.stage, _peer(send)):
+            self._present[_peer(send)] = present
+            return [(send, tensors, False)]
+        if not self._announces(send, len(grads)):
+            return [(send, tensors, False)]
+        mask = self.carry.presence.get(present)
+        if mask is None:
+            mask = torch.tensor(present, dtype=torch.int64, device=self.transport.device)
+            self.carry.presence[present] = mask
+        return [(send, [mask], True), (send, tensors, False)]
 
     def _do_weight(self, action: Action) -> None:
         self.stages[action.stage].backward_weights(self.base + action.microbatch)

@@ -31,7 +31,7 @@ from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.runtime.stage_module import PipelineLayers, keyed
+from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
@@ -231,7 +231,7 @@ class Pipeline:
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
         self._layers = keyed(
-            PipelineLayers, (kv for stage in self.stages for kv in stage.module.named_children())
+            PipelineLayers, (kv for stage in self.stages for kv in positions(stage.module))
         )
         self._start_training(ties)
         logger.info(
