@@ -54,6 +54,10 @@ def summarize(x: Batch | None, y: Batch | None) -> dict[str, Any]:
             )
     except Exception as error:  # not a batch: microbatch.check_batches says how, on this rank
         return {"error": f"{type(error).__name__}: {error}"}
+    if summary["x"] is not None and summary["y"] is not None and (
+        summary["x"][0] != summary["y"][0]
+    ):  # this rank's own x and y disagree: check_batches names the sizes, on this rank
+        return {"error": f"x has batch size {summary['x'][0]} but y has {summary['y'][0]}"}
     return summary
 
 
