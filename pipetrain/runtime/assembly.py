@@ -6,6 +6,7 @@ asked and possible)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import cast
 
@@ -16,8 +17,10 @@ from pipetrain.observe.progress import logger
 from pipetrain.runtime.agreement import fingerprint
 from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
-from pipetrain.runtime.data_parallel import GradientSync, tied_parameters
+from pipetrain.runtime.data_parallel import Sync, tied_parameters
+from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
 from pipetrain.training.layers import LayerSource
@@ -60,7 +63,7 @@ def assemble(
     world.place(schedule, [stages for _, stages in ties])
     world.agree(lambda: fingerprint(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
-        checkpoint=config.checkpoint, replicas=world.placement.replicas,
+        checkpoint=config.checkpoint, replicas=world.placement.replicas, zero=config.zero,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         **source.settings(),
     ))
@@ -76,14 +79,26 @@ def assemble(
     owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
              if any(s in here for s in stages)}
     rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
+    group = world.replica_group()  # None: one replica, nothing to shard over
+    zero = config.zero if group is not None else 0
+    reason = refusal(zero, schedule, bool(ties), bool(config.cuda_graphs))
+    if reason is not None:
+        raise ValueError(reason)
+    if zero == 1 and group is not None and config.optimizer is not None:
+        config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
     for s in here:
-        mine = [p for p in parts[s][1].parameters()
-                if p.requires_grad and owner.get(id(p), s) == s]
+        syncs: list[Sync]
+        if zero >= 2 and group is not None:
+            parts[s] = (parts[s][0], StageModule.of(parts[s][1]))
+            syncs = [ShardedGradients(parts[s][1], group, zero)]
+        else:
+            mine = [p for p in parts[s][1].parameters()
+                    if p.requires_grad and owner.get(id(p), s) == s]
+            syncs = list(world.gradient_syncs(mine, rank_ties))
         built.append(_build_stage(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
-            owned_elsewhere=frozenset(i for i, o in owner.items() if o != s),
-            syncs=world.gradient_syncs(mine, rank_ties),
+            owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
         ))
     return built, ties
 
@@ -91,7 +106,7 @@ def assemble(
 def _build_stage(
     config: PipelineConfig, schedule: Schedule, parts: Parts, index: int,
     device: torch.device, seed: int, owned_elsewhere: frozenset[int],
-    syncs: Sequence[GradientSync],
+    syncs: Sequence[Sync],
 ) -> Stage:
     """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
     versions."""

@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from partitioner import Plan
 from pipetrain.observe.progress import Progress, progress_option
 from pipetrain.runtime.cuda_graphs import check_mode
+from pipetrain.runtime.sharding import check_level
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.tools.planning import load_plan
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
@@ -88,6 +89,7 @@ class PipelineConfig:
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
     cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/runtime/cuda_graphs.py)
+    zero: int = 0  # what replicas shard: 0 nothing .. 3 weights (pipetrain/runtime/sharding.py)
 
     def stage_checkpoint(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
@@ -161,6 +163,7 @@ class PipelineConfig:
         delay_compensation: str | DelayCompensation | None = AUTO,
         cuda_graphs: bool | str = False,
         nonfinite: str = "skip",
+        zero: int = 0,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         planned_ranks = planned_microbatch = None
@@ -213,7 +216,7 @@ class PipelineConfig:
             progress=progress_option(progress),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
-            cuda_graphs=graphs,
+            cuda_graphs=graphs, zero=check_level(zero),
         )
 
 

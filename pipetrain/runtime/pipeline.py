@@ -150,6 +150,10 @@ class Pipeline:
             gradients are not finite on any stage, on every rank, leaving the weights, the
             optimizer state and the learning-rate schedule as they were, with a warning naming
             the step and the stages; "raise" raises NonFiniteError instead.
+        zero: what each stage's data-parallel replicas shard among them (ZeRO,
+            pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
+            the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
+            there is nothing to shard and it changes nothing.
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
     ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
@@ -198,6 +202,7 @@ class Pipeline:
         init: InitFn | None = None,
         weights: str | os.PathLike[str] | None = None,
         nonfinite: str = "skip",
+        zero: int = 0,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -207,7 +212,7 @@ class Pipeline:
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
             delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite, zero=zero,
         )
         source = LayerSource(init_seed, init, weights)
         source.check(model)
