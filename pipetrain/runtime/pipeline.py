@@ -385,6 +385,7 @@ class Pipeline:
         Returns:
             The checkpoint written or found (``folder`` itself on replicas that do not write).
         """
+        self._check_checkpointable("save")
         self.flush()
         if self.world.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
@@ -403,12 +404,22 @@ class Pipeline:
         Returns:
             The step of the checkpoint restored (also ``self.step``), or None if there is none.
         """
+        self._check_checkpointable("load")
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
         resumed = self._checkpoints.load(folder, self.stages, self.scaler)
         if resumed is not None:
             self.step = resumed
             logger.info("resumed from step %d of %s", self.step, folder)
         return resumed
+
+    def _check_checkpointable(self, what: str) -> None:
+        """Refuse checkpoints of a sharded pipeline (not written yet: the first replica would
+        save its shards only)."""
+        if self.config.zero and self.world.replica_group() is not None:
+            raise ValueError(
+                f"cannot {what} a checkpoint with zero={self.config.zero}: checkpoints of "
+                "sharded replicas are not supported yet; train with zero=0 to checkpoint"
+            )
 
     @property
     def metrics(self) -> dict[str, Any]:
