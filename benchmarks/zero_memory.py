@@ -10,7 +10,8 @@ in 2 stages with AdamW, 1F1B and 4 micro-batches. After 3 steps each rank counts
 the tensors it holds between steps: its weights (the local shard of a sharded one), their
 ``.grad`` and its optimizer's state (ZeroRedundancyOptimizer's: the local optimizer's). The
 step's growth is the peak resident set (VmHWM, reset through /proc/self/clear_refs just before)
-of a fourth step minus the resident set (VmRSS) just before it: what the step adds on top of
+of a fourth step minus the resident set (VmRSS) just before it, after glibc's ``malloc_trim``
+returned the freed pages (else the step reuses them unseen): what the step adds on top of
 what is held (gathered weights, whole gradients, activations, buffers of the collectives). Each
 column is the largest rank's; "optimizer / zero 0" is that rank's optimizer bytes over zero 0's
 of the same replicas. Memory does not depend on timing: one run per row.
@@ -19,6 +20,7 @@ of the same replicas. Memory does not depend on timing: one run per row.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +35,7 @@ import pipetrain
 from examples.models import gpt, lm_loss
 
 MiB = 2**20
+libc = ctypes.CDLL("libc.so.6")  # glibc's malloc_trim
 
 
 def _kib(field: str) -> int:
@@ -85,6 +88,7 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
         pipe.train_step(x, y)
     numbers = held(pipe)
     dist.barrier()
+    libc.malloc_trim(0)  # hand freed heap pages back, or the step would reuse them unseen
     before = _kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     pipe.train_step(x, y)

@@ -31,6 +31,7 @@ from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
+from pipetrain.runtime.sharding import Checkpointing
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.runtime.stage_module import PipelineLayers
 from pipetrain.runtime.transport import Transport
@@ -228,6 +229,8 @@ class Pipeline:
         self._evaluation = forward_only(self.schedule)
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
+        group = self.world.replica_group()  # ZeRO's checkpoints gather and re-shard over it
+        self._sharded = Checkpointing(group) if config.zero and group is not None else None
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
         self._layers = PipelineLayers(
             OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
@@ -385,13 +388,13 @@ class Pipeline:
         Returns:
             The checkpoint written or found (``folder`` itself on replicas that do not write).
         """
-        self._check_checkpointable("save")
         self.flush()
+        whole = self._sharded.whole(self.stages) if self._sharded is not None else None
         if self.world.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
         return self._checkpoints.save(
             folder, self.step, self.stages, self.world.barrier,
-            self.world.placement.is_coordinator, self.num_stages, self.scaler,
+            self.world.placement.is_coordinator, self.num_stages, self.scaler, whole,
         )
 
     def load(self, folder: str | os.PathLike[str]) -> int | None:
@@ -404,22 +407,13 @@ class Pipeline:
         Returns:
             The step of the checkpoint restored (also ``self.step``), or None if there is none.
         """
-        self._check_checkpointable("load")
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
-        resumed = self._checkpoints.load(folder, self.stages, self.scaler)
+        shard = self._sharded.shard if self._sharded is not None else None
+        resumed = self._checkpoints.load(folder, self.stages, self.scaler, shard)
         if resumed is not None:
             self.step = resumed
             logger.info("resumed from step %d of %s", self.step, folder)
         return resumed
-
-    def _check_checkpointable(self, what: str) -> None:
-        """Refuse checkpoints of a sharded pipeline (not written yet: the first replica would
-        save its shards only)."""
-        if self.config.zero and self.world.replica_group() is not None:
-            raise ValueError(
-                f"cannot {what} a checkpoint with zero={self.config.zero}: checkpoints of "
-                "sharded replicas are not supported yet; train with zero=0 to checkpoint"
-            )
 
     @property
     def metrics(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ steps the shards.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +35,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pipetrain.runtime.stage import OptimizerFactory
+from pipetrain.checkpoints.checkpointing import WholeState
+from pipetrain.runtime.stage import OptimizerFactory, Stage
 from schedules import Schedule
 
 LEVELS = (0, 1, 2, 3)
@@ -140,3 +143,67 @@ class ShardedGradients:
         """FSDP2 waited for its reduce-scatters when the last backward ended; back to
         accumulating for the next mini-batch."""
         self._accumulate()
+
+
+class Checkpointing:
+    """A sharded pipeline's checkpoints hold whole tensors, as an unsharded one's do, so they
+    load under any balance, replica count or ``zero``: ``whole`` gathers each stage's state
+    from its replicas before the first replica writes it; ``shard`` gives a sharded stage its
+    shares of the whole tensors read back."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def whole(self, stages: Sequence[Stage]) -> list[WholeState]:
+        """Per stage, its module and optimizer state_dicts whole (on the first replica; the
+        optimizer's is None elsewhere). Every replica calls it: it gathers."""
+        states: list[WholeState] = []
+        for stage in stages:
+            module = {k: _full(v) for k, v in stage.module.state_dict().items()}
+            optimizer = stage.optimizer
+            state: dict[str, Any] | None = None
+            if isinstance(optimizer, ZeroRedundancyOptimizer):
+                optimizer.consolidate_state_dict(to=0)  # to the first replica, by group rank
+                if dist.get_rank(self.group) == 0:
+                    state = optimizer.state_dict()
+                    # torch keeps the gathered copy, a whole optimizer state: drop it
+                    optimizer._all_state_dicts = []  # type: ignore[attr-defined]
+            elif optimizer is not None:
+                state = optimizer.state_dict()
+                state["state"] = {
+                    i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()
+                }
+            states.append((module, state))
+        return states
+
+    @staticmethod
+    def shard(
+        stage: Stage, modules: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``modules`` and ``optimizer_state`` (by parameter name) with ``stage``'s whole
+        tensors replaced by its shares, placed as its parameters are (no communication:
+        every replica read the whole tensors)."""
+        modules, optimizer_state = dict(modules), dict(optimizer_state)
+        for key, value in stage.module.state_dict().items():
+            if isinstance(value, DTensor) and key in modules:
+                modules[key] = _like(value, modules[key])
+        for name, param in stage.module.named_parameters():
+            if isinstance(param, DTensor) and name in optimizer_state:
+                optimizer_state[name] = {
+                    k: _like(param, v) if isinstance(v, torch.Tensor) and v.shape == param.shape
+                    else v
+                    for k, v in optimizer_state[name].items()
+                }
+        return modules, optimizer_state
+
+
+def _full(value: object) -> object:
+    """``value`` whole: a DTensor gathered from its shards (a collective), else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _like(sharded: DTensor, whole: torch.Tensor) -> DTensor:
+    """This rank's share of ``whole``, placed as ``sharded`` is."""
+    return distribute_tensor(
+        whole.to(sharded.device), sharded.device_mesh, sharded.placements, src_data_rank=None
+    )

@@ -121,3 +121,85 @@ def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas():
 def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas():
     results = values(run_ranks(_train_each_level, 8, 4, deadline=900))
     _check(results, 4)
+
+
+def _pipeline(zero: int, balance: list[int], replicas: int, seed: int = 0) -> pipetrain.Pipeline:
+    return pipetrain.Pipeline(
+        mlp(seed=seed), balance, chunks=2, schedule="1f1b", replicas=replicas, zero=zero,
+        loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
+        clip_grad_norm=CLIP, timeout=60,
+    )
+
+
+def _steps(pipe: pipetrain.Pipeline, data: list) -> None:
+    replicas = pipe.placement.replicas
+    for x, y in data:
+        share = len(x) // replicas
+        part = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+        pipe.train_step(x[part], y[part])
+
+
+def _resume(rank: int, world: int, folder: str) -> dict[str, dict]:
+    """zero=3 on 2 stages x 2 replicas: 4 steps straight, and 2 steps saved then resumed (a
+    model of other weights loads the checkpoint) for 2 more at zero 3, at zero 1, and on 4
+    stages x 1 replica; the checkpoint consolidated."""
+    data = batches(4)
+    straight = _pipeline(3, [5, 7], 2)
+    _steps(straight, data)
+    saving = _pipeline(3, [5, 7], 2)
+    _steps(saving, data[:2])
+    saved = _whole(saving.module.state_dict())
+    saving.save(folder)
+    out = {"straight": _whole(straight.module.state_dict()), "saved": saved}
+    for name, zero, balance, replicas in (
+        ("zero 3", 3, [5, 7], 2), ("zero 1", 1, [5, 7], 2), ("4 x 1", 2, [3, 3, 3, 3], 1),
+    ):
+        resumed = _pipeline(zero, balance, replicas, seed=7)
+        assert resumed.load(folder) == 2
+        _steps(resumed, data[2:])
+        out[name] = _whole(resumed.module.state_dict())
+        if zero == 1:  # ZeroRedundancyOptimizer's state, gathered to the first replica
+            resumed.save(folder + "-zero1")
+            loaded = _pipeline(0, [5, 7], 2, seed=7)
+            assert loaded.load(folder + "-zero1") == 4
+            out["zero 1 saved"] = (_optimizer(resumed), _optimizer(loaded))
+    if rank == 0:
+        out["consolidated"] = pipetrain.consolidate(folder)
+    return out
+
+
+def _optimizer(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
+    """The first stage's whole optimizer state by parameter name (zero 0 or 1; a collective
+    at 1)."""
+    stage = pipe.stages[0]
+    optimizer = stage.optimizer
+    assert optimizer is not None
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        if pipe.placement.replica > 0:
+            return {}
+    names = [n for n, _ in stage.module.named_parameters()]
+    state = optimizer.state_dict()["state"]
+    return {f"{names[i]}.{k}": v for i, s in state.items() for k, v in s.items()}
+
+
+def test_a_sharded_checkpoint_resumes_bit_identical_and_under_other_replicas_and_zero(tmp_path):
+    results = values(run_ranks(_resume, 4, str(tmp_path / "ckpt"), deadline=400))
+    for got in results:
+        for key, value in got["zero 3"].items():  # the same sums in the same order: equal
+            assert torch.equal(value, got["straight"][key]), key
+        for key, value in got["zero 1"].items():
+            assert (value - got["straight"][key]).abs().max().item() <= AGAINST_ZERO, key
+        kept, loaded = got["zero 1 saved"]
+        for key, value in kept.items():  # the first replica gathered the whole state
+            assert torch.equal(value, loaded[key]), key
+    assert results[0]["zero 1 saved"][0].keys() == results[0]["zero 1 saved"][1].keys()
+    whole = {k: v for got in results for k, v in got["straight"].items()}
+    for got in results:  # 4 stages x 1 replica: another order of the batch's sums
+        for key, value in got["4 x 1"].items():
+            assert (value - whole[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
+    saved = {k: v for got in results for k, v in got["saved"].items()}
+    consolidated = results[0]["consolidated"]
+    assert consolidated.keys() == saved.keys()
+    for key, value in consolidated.items():
+        assert torch.equal(value, saved[key]), key
