@@ -11,7 +11,8 @@ the tensors it holds between steps: its weights (the local shard of a sharded on
 ``.grad`` and its optimizer's state (ZeroRedundancyOptimizer's: the local optimizer's). The
 step's growth is the peak resident set (VmHWM, reset through /proc/self/clear_refs just before)
 of a fourth step minus the resident set (VmRSS) just before it, after glibc's ``malloc_trim``
-returned the freed pages (else the step reuses them unseen): what the step adds on top of
+returned the freed pages (else the step reuses them unseen), with every tensor of 128 KiB or
+more in a mapping of its own (MALLOC_MMAP_THRESHOLD_): what the step adds on top of
 what is held (gathered weights, whole gradients, activations, buffers of the collectives). Each
 column is the largest rank's; "optimizer / zero 0" is that rank's optimizer bytes over zero 0's
 of the same replicas. Memory does not depend on timing: one run per row.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -108,6 +110,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per replica")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
+    # glibc: every tensor of 128 KiB or more its own mapping, returned when freed, so that the
+    # peak resident set counts what a step holds at once (by default glibc raises this
+    # threshold as it goes and keeps freed tensors in per-thread heaps, which gloo's threads
+    # then cannot reuse); the ranks inherit it
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     params = sum(p.numel() for p in gpt(dim=args.dim, blocks=args.blocks, heads=4,
                                         context=args.context, tied=False).parameters())
     print(f"example GPT, dim {args.dim}, {args.blocks} blocks ({params / 1e6:.1f}M params, "

@@ -143,7 +143,9 @@ class Stage:
         # A layer with weights inside it (a transformer block) would have its insides
         # backpropagated again by W; layers that hold their weights themselves (Linear, Conv,
         # norms) need only their weight gradients there. Weights sharded by FSDP2 (ZeRO 2, 3:
-        # sharding.py) are gathered for one backward pass: W cannot come as a second one.
+        # sharding.py) are gathered for one backward pass: W cannot come as a second one; and
+        # autocast keeps no cast of them across micro-batches (with a kept cast, bf16 gradients
+        # came out wrong: tests/runtime/test_zero.py).
         sharded = any(isinstance(p, DTensor) for p in self._weights)
         self._weights_at_top = distinct and not sharded and not any(
             p.requires_grad for layer in self.module for child in layer.children()
@@ -158,7 +160,7 @@ class Stage:
         self.loss_divisor = loss_divisor
         self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.graphs: StageGraphs | None = None  # CUDA graphs (pipetrain/runtime/cuda_graphs.py)
-        self._autocast_cache = True
+        self._autocast_cache = not sharded
 
     def use_graphs(self, slots: int, strict: bool) -> None:
         """Replay CUDA graphs of the training forward and backward

@@ -10,6 +10,8 @@ a mini-batch's contributions are summed).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -203,3 +205,44 @@ def test_a_sharded_checkpoint_resumes_bit_identical_and_under_other_replicas_and
     assert consolidated.keys() == saved.keys()
     for key, value in consolidated.items():
         assert torch.equal(value, saved[key]), key
+
+
+def _options(rank: int, world: int) -> dict[str, dict]:
+    """Per variant, zero=0's and zero=3's whole parameters after 3 steps on 2 x 2 ranks."""
+    data = batches(STEPS)
+    poisoned = [(x.clone(), y) for x, y in data]
+    poisoned[1][0][0, 0] = float("nan")  # the first replica's share of step 2: skipped
+    variants = {
+        "gpipe": (dict(schedule="gpipe"), [5, 7], data),
+        "interleaved": (dict(schedule="interleaved", chunks=4), [3, 3, 3, 3], data),
+        "bf16": (dict(precision="bf16"), [5, 7], data),
+        "skip": (dict(), [5, 7], poisoned),
+    }
+    out = {}
+    for name, (options, balance, steps) in variants.items():
+        for zero in (0, 3):
+            pipe = pipetrain.Pipeline(
+                mlp(), balance, **{"chunks": 2, "schedule": "1f1b", **options}, replicas=2,
+                zero=zero, loss_fn=nn.functional.cross_entropy, optimizer=adamw,
+                lr_scheduler=decay, clip_grad_norm=CLIP, timeout=60,
+            )
+            skipped = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for x, y in steps:
+                    _steps(pipe, [(x, y)])
+                    skipped.append(bool(pipe.metrics["skipped_step"]))
+            out[f"{name} {zero}"] = {"state": _whole(pipe.module.state_dict()),
+                                     "skipped": skipped}
+    return out
+
+
+def test_zero_3_under_gpipe_interleaved_bf16_and_a_skipped_step_trains_as_zero_0():
+    results = values(run_ranks(_options, 4, deadline=600))
+    for got in results:
+        for name in ("gpipe", "interleaved", "bf16", "skip"):
+            base, sharded = got[f"{name} 0"], got[f"{name} 3"]
+            assert sharded["skipped"] == base["skipped"]
+            assert base["skipped"] == ([False, True, False] if name == "skip" else [False] * 3)
+            for key, value in sharded["state"].items():  # bf16: the same casts of one weight
+                assert (value - base["state"][key]).abs().max().item() <= AGAINST_ZERO, (name, key)
