@@ -10,6 +10,7 @@ a mini-batch's contributions are summed).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -208,21 +209,27 @@ def test_a_sharded_checkpoint_resumes_bit_identical_and_under_other_replicas_and
 
 
 def _options(rank: int, world: int) -> dict[str, dict]:
-    """Per variant, zero=0's and zero=3's whole parameters after 3 steps on 2 x 2 ranks."""
+    """Per variant, each level's whole parameters, skip flags and an evaluation's output after
+    3 steps on 2 x 2 ranks."""
     data = batches(STEPS)
     poisoned = [(x.clone(), y) for x, y in data]
     poisoned[1][0][0, 0] = float("nan")  # the first replica's share of step 2: skipped
-    variants = {
-        "gpipe": (dict(schedule="gpipe"), [5, 7], data),
-        "interleaved": (dict(schedule="interleaved", chunks=4), [3, 3, 3, 3], data),
-        "bf16": (dict(precision="bf16"), [5, 7], data),
-        "skip": (dict(), [5, 7], poisoned),
+    variants = {  # name: (options, balance, data, levels)
+        "gpipe": (dict(schedule="gpipe"), [5, 7], data, (0, 3)),
+        "interleaved": (dict(schedule="interleaved", chunks=4), [3, 3, 3, 3], data, (0, 3)),
+        "bf16": (dict(precision="bf16"), [5, 7], data, (0, 3)),
+        "skip": (dict(), [5, 7], poisoned, (0, 3)),
+        "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1)),
+        "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
     }
     out = {}
-    for name, (options, balance, steps) in variants.items():
-        for zero in (0, 3):
+    for name, (options, balance, steps, levels) in variants.items():
+        for zero in levels:
+            lazy = "init_seed" in options
+            with torch.device("meta") if lazy else contextlib.nullcontext():
+                model = mlp()
             pipe = pipetrain.Pipeline(
-                mlp(), balance, **{"chunks": 2, "schedule": "1f1b", **options}, replicas=2,
+                model, balance, **{"chunks": 2, "schedule": "1f1b", **options}, replicas=2,
                 zero=zero, loss_fn=nn.functional.cross_entropy, optimizer=adamw,
                 lr_scheduler=decay, clip_grad_norm=CLIP, timeout=60,
             )
@@ -232,17 +239,28 @@ def _options(rank: int, world: int) -> dict[str, dict]:
                 for x, y in steps:
                     _steps(pipe, [(x, y)])
                     skipped.append(bool(pipe.metrics["skipped_step"]))
-            out[f"{name} {zero}"] = {"state": _whole(pipe.module.state_dict()),
-                                     "skipped": skipped}
+            out[f"{name} {zero}"] = {
+                "state": _whole(pipe.module.state_dict()), "skipped": skipped,
+                "eval": pipe.eval_step(data[0][0]),
+            }
     return out
 
 
-def test_zero_3_under_gpipe_interleaved_bf16_and_a_skipped_step_trains_as_zero_0():
-    results = values(run_ranks(_options, 4, deadline=600))
+def test_zero_under_gpipe_interleaved_bf16_lazy_zb_and_a_skipped_step_trains_as_zero_0():
+    """zero=3 (zero=1 under zb-h1, where 2 and 3 are refused) against zero=0, 1e-6, and
+    the same evaluation output: under GPipe, interleaved stages, bf16 autocast (the same
+    casts of the same weights), a meta-device model materialized per stage, and a step whose
+    non-finite loss skips it on every rank."""
+    results = values(run_ranks(_options, 4, deadline=900))
     for got in results:
-        for name in ("gpipe", "interleaved", "bf16", "skip"):
-            base, sharded = got[f"{name} 0"], got[f"{name} 3"]
+        names = {key.rsplit(" ", 1)[0] for key in got}
+        assert len(names) == 6
+        for name in names:
+            level = 1 if name == "zero bubble" else 3
+            base, sharded = got[f"{name} 0"], got[f"{name} {level}"]
             assert sharded["skipped"] == base["skipped"]
             assert base["skipped"] == ([False, True, False] if name == "skip" else [False] * 3)
-            for key, value in sharded["state"].items():  # bf16: the same casts of one weight
+            for key, value in sharded["state"].items():
                 assert (value - base["state"][key]).abs().max().item() <= AGAINST_ZERO, (name, key)
+            if base["eval"] is not None:  # on the last stage's ranks
+                assert (sharded["eval"] - base["eval"]).abs().max().item() <= AGAINST_ZERO, name
