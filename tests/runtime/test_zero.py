@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import pipetrain
 from tests.runtime.harness import run_ranks, values
-from tests.runtime.models import batches, mlp
+from tests.runtime.models import batches, mlp, tied_model
 
 STEPS = 3
 CLIP = 0.5  # the gradients' norm is above it at every step here: the clip changes the answer
@@ -264,3 +264,42 @@ def test_zero_under_gpipe_interleaved_bf16_lazy_zb_and_a_skipped_step_trains_as_
                 assert (value - base["state"][key]).abs().max().item() <= AGAINST_ZERO, (name, key)
             if base["eval"] is not None:  # on the last stage's ranks
                 assert (sharded["eval"] - base["eval"]).abs().max().item() <= AGAINST_ZERO, name
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """What each unsupported combination raises, on 2 stages x 2 replicas."""
+    attempts = [
+        (tied_model(), [3, 3], dict(zero=1)),
+        (mlp(), [5, 7], dict(zero=2, schedule="zb-h1")),
+    ]
+    messages = []
+    for model, balance, options in attempts:
+        with pytest.raises(ValueError) as error:
+            pipetrain.Pipeline(model, balance, replicas=2, loss_fn=nn.functional.cross_entropy,
+                               optimizer=adamw, timeout=60, **options)
+        messages.append(str(error.value))
+    return messages
+
+
+def test_what_zero_cannot_shard_yet_is_refused_with_the_reason():
+    for tied, split in values(run_ranks(_refusals, 4, deadline=300)):
+        assert "zero=1 with weights tied across stages is not supported yet" in tied
+        assert "zero=2 with schedule 'zb-h1' is not supported yet" in split
+        assert "use zero=1" in split
+    for bad in (4, -1, True, "3"):
+        with pytest.raises(ValueError, match="zero must be 0"):
+            pipetrain.Pipeline(mlp(), [5, 7], devices=["cpu", "cpu"], zero=bad)
+
+
+def test_without_replicas_zero_changes_nothing():
+    """One process, two stages: no replica to shard over; the parameters are zero=0's."""
+    states = []
+    for zero in (0, 3):
+        pipe = pipetrain.Pipeline(
+            mlp(), [5, 7], devices=["cpu", "cpu"], chunks=2, zero=zero,
+            loss_fn=nn.functional.cross_entropy, optimizer=adamw, clip_grad_norm=CLIP,
+        )
+        _steps(pipe, batches(STEPS))
+        states.append(pipe.module.state_dict())
+    for key, value in states[1].items():
+        assert not isinstance(value, DTensor) and torch.equal(value, states[0][key]), key
