@@ -154,7 +154,8 @@ class Pipeline:
         zero: what each stage's data-parallel replicas shard among them (ZeRO,
             pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
             the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
-            there is nothing to shard and it changes nothing.
+            there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
+            ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
     ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``

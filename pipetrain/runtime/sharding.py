@@ -64,11 +64,11 @@ def refusal(zero: int, schedule: Schedule, ties: bool, cuda_graphs: bool) -> str
             f"zero={zero} with schedule {schedule.name!r} is not supported: the asynchronous "
             "schedules run without data-parallel replicas; use a synchronous schedule"
         )
-    if ties:
+    if ties and zero >= 2:
         return (
             f"zero={zero} with weights tied across stages is not supported yet: their gradient "
-            "is summed over the tied stages' ranks, which the sharded state does not follow; "
-            "untie them or pass zero=0"
+            "is summed over the tied stages' ranks, which FSDP2's shards do not follow; untie "
+            "them, or pass zero=1 (optimizer state only)"
         )
     if zero >= 2 and schedule.splits_backward:
         return (
