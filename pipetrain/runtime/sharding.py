@@ -16,11 +16,12 @@ the replica group of placement.py. ``zero`` says what those copies stop repeatin
 
 Under micro-batching the gradients are reduced once per mini-batch, at the stage's last
 backward (``set_requires_gradient_sync``): until then each replica accumulates the whole
-gradients of its micro-batches, so at zero 2 and 3 a step's peak still holds one whole
-gradient per layer while its backward runs; the sharded gradients are what stays between
-steps. The gradients held after the reduce-scatter are DTensors: update.py reads their local
-shards for the global norm (each shard counted once), clips them in place, and the optimizer
-steps the shards.
+gradients of its micro-batches, so at zero 2 and 3 a step holds the stage's whole gradients
+from its first backward to its last; the sharded gradients are what stays between steps
+(benchmarks/zero_memory.py measures both). The gradients held after the reduce-scatter are
+DTensors: update.py reads their local shards for the global norm (each shard counted once),
+clips them in place, and the optimizer steps the shards. Checkpoints hold whole tensors
+(:class:`Checkpointing`).
 """
 
 from __future__ import annotations
