@@ -218,6 +218,7 @@ def _options(rank: int, world: int) -> dict[str, dict]:
         "gpipe": (dict(schedule="gpipe"), [5, 7], data, (0, 3)),
         "interleaved": (dict(schedule="interleaved", chunks=4), [3, 3, 3, 3], data, (0, 3)),
         "bf16": (dict(precision="bf16"), [5, 7], data, (0, 3)),
+        "fp16": (dict(precision="fp16"), [5, 7], data, (0, 3)),
         "skip": (dict(), [5, 7], poisoned, (0, 3)),
         "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1)),
         "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
@@ -246,15 +247,15 @@ def _options(rank: int, world: int) -> dict[str, dict]:
     return out
 
 
-def test_zero_under_gpipe_interleaved_bf16_lazy_zb_and_a_skipped_step_trains_as_zero_0():
+def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_trains_as_zero_0():
     """zero=3 (zero=1 under zb-h1, where 2 and 3 are refused) against zero=0, 1e-6, and
-    the same evaluation output: under GPipe, interleaved stages, bf16 autocast (the same
-    casts of the same weights), a meta-device model materialized per stage, and a step whose
-    non-finite loss skips it on every rank."""
+    the same evaluation output: under GPipe, interleaved stages, bf16 and fp16 autocast (the
+    same casts of the same weights; fp16's loss scale unscales the shards), a meta-device
+    model materialized per stage, and a step whose non-finite loss skips it on every rank."""
     results = values(run_ranks(_options, 4, deadline=900))
     for got in results:
         names = {key.rsplit(" ", 1)[0] for key in got}
-        assert len(names) == 6
+        assert len(names) == 7
         for name in names:
             level = 1 if name == "zero bubble" else 3
             base, sharded = got[f"{name} 0"], got[f"{name} {level}"]
