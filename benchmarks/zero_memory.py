@@ -4,9 +4,12 @@ resident growth of one training step, for 2 stages x 2 and x 4 replicas.
     PYTHONPATH=. python benchmarks/zero_memory.py                  # GPT, dim 256, 8 blocks
     PYTHONPATH=. python benchmarks/zero_memory.py --dim 64 --blocks 2 --replicas 2   # quick
 
-Fresh gloo processes for every row (2 x replicas of them, one thread each) train the example
-GPT (examples.models.gpt, untied head: ZeRO refuses weights tied across stages) split evenly
-in 2 stages with AdamW, 1F1B and 4 micro-batches. After 3 steps each rank counts the bytes of
+Fresh gloo processes for every row (2 x replicas of them, one thread each) build the example
+GPT (examples.models.gpt, untied head: ZeRO 2 and 3 refuse weights tied across stages) on the
+meta device, each rank materializing its own stage (``init_seed``; at zero 2 and 3 one layer at
+a time, each sharded before the next), split evenly in 2 stages, and train it with AdamW, 1F1B
+and 4 micro-batches. The build's growth is the peak resident set while ``Pipeline`` is
+constructed minus the resident set before. After 3 steps each rank counts the bytes of
 the tensors it holds between steps: its weights (the local shard of a sharded one), their
 ``.grad`` and its optimizer's state (ZeroRedundancyOptimizer's: the local optimizer's). The
 step's growth is the peak resident set (VmHWM, reset through /proc/self/clear_refs just before)
@@ -77,12 +80,18 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     replicas = world // 2
-    model = gpt(dim=args.dim, blocks=args.blocks, heads=4, context=args.context, tied=False)
+    model = gpt(dim=args.dim, blocks=args.blocks, heads=4, context=args.context, tied=False,
+                device="meta")
     half = len(model) // 2
+    libc.malloc_trim(0)
+    start = _kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
     pipe = pipetrain.Pipeline(
         model, [half, len(model) - half], chunks=4, replicas=replicas, zero=zero,
         loss_fn=lm_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), timeout=300,
+        init_seed=0,
     )
+    built = _kib("VmHWM") - start
     g = torch.Generator().manual_seed(pipe.placement.replica)
     tokens = torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -96,7 +105,7 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
     pipe.train_step(x, y)
     growth = _kib("VmHWM") - before
     every: list[tuple[int, ...] | None] = [None] * world
-    dist.all_gather_object(every, (*numbers, growth))
+    dist.all_gather_object(every, (*numbers, growth, built))
     if rank == 0:
         results.put(every)
     dist.destroy_process_group()
@@ -121,15 +130,17 @@ def main() -> None:
           f"{params * 4 / MiB:.0f} MiB of fp32 weights), 2 stages, AdamW, 1F1B, 4 micro-batches "
           f"of {args.batch // 4} x {args.context} tokens per replica, gloo, 1 thread per process")
     print("\n| replicas | zero | weights MiB | gradients MiB | optimizer MiB | "
-          "optimizer / zero 0 | step growth MiB |\n|---|---|---|---|---|---|---|")
+          "optimizer / zero 0 | step growth MiB | build growth MiB |"
+          "\n|---|---|---|---|---|---|---|---|")
     for replicas in args.replicas:
         base = None
         for zero in (0, 1, 2, 3):
             ranks = spawn_ranks(worker, 2 * replicas, 2 * replicas, zero, args)
-            weights, grads, state, growth = (max(r[i] for r in ranks) for i in range(4))
+            weights, grads, state, growth, built = (max(r[i] for r in ranks) for i in range(5))
             base = state if zero == 0 else base
             print(f"| {replicas} | {zero} | {weights / MiB:.1f} | {grads / MiB:.1f} | "
-                  f"{state / MiB:.1f} | {state / base:.3f} | {growth / MiB:.1f} |", flush=True)
+                  f"{state / MiB:.1f} | {state / base:.3f} | {growth / MiB:.1f} | "
+                  f"{built / MiB:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

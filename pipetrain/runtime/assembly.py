@@ -24,6 +24,7 @@ from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
 from pipetrain.training.layers import LayerSource
+from pipetrain.training.lazy import is_meta
 from pipetrain.training.weights import stage_versions
 from schedules import Kind, Schedule, inflight
 
@@ -73,25 +74,31 @@ def assemble(
             "weights tied across stages yet; use a synchronous schedule for those"
         )
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
-    # the gradient all-reduces bind their buffers on the device: the layers go there first
-    made = source.bring_up(model, parts, {s: world.device(schedule.rank_of(s)) for s in here})
-    ties = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
-    owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
-             if any(s in here for s in stages)}
-    rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
     group = world.replica_group()  # None: one replica, nothing to shard over
     zero = config.zero if group is not None else 0
     reason = refusal(zero, schedule, bool(ties), bool(config.cuda_graphs))
     if reason is not None:
         raise ValueError(reason)
+    devices = {s: world.device(schedule.rank_of(s)) for s in here}
+    # a meta model that FSDP2 shards comes up a layer at a time, each sharded before the next
+    by_layer = zero >= 2 and is_meta(model)
+    # the gradient all-reduces bind their buffers on the device: the layers go there first
+    made = {} if by_layer else source.bring_up(model, parts, devices)
+    ties = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
+    owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
+             if any(s in here for s in stages)}
+    rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
     if zero == 1 and group is not None and config.optimizer is not None:
         config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
     for s in here:
         syncs: list[Sync]
         if zero >= 2 and group is not None:
-            parts[s] = (parts[s][0], StageModule.of(parts[s][1]))
-            syncs = [ShardedGradients(parts[s][1], group, zero)]
+            offset, layers = parts[s][0], StageModule.of(parts[s][1])
+            parts[s] = (offset, layers)
+            bring_up = partial(_bring_up_layer, source, model, offset, devices[s])
+            syncs = [ShardedGradients(layers, group, zero, devices[s],
+                                      bring_up if by_layer else None)]
         else:
             mine = [p for p in parts[s][1].parameters()
                     if p.requires_grad and owner.get(id(p), s) == s]
@@ -101,6 +108,16 @@ def assemble(
             owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
         ))
     return built, ties
+
+
+def _bring_up_layer(
+    source: LayerSource, model: nn.Sequential, offset: int, device: torch.device, index: int
+) -> None:
+    """Layer ``offset + index`` of a meta ``model`` on ``device`` with its values, if it has
+    tensors yet to make."""
+    at = offset + index
+    if is_meta(model[at]):
+        source.bring_up(model, [(at, cast(nn.Sequential, model[at : at + 1]))], {0: device})
 
 
 def _build_stage(

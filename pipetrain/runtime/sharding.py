@@ -27,7 +27,7 @@ clips them in place, and the optimizer steps the shards. Checkpoints hold whole 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -116,13 +116,19 @@ def zero_redundancy(factory: OptimizerFactory, group: dist.ProcessGroup) -> Opti
 class ShardedGradients:
     """FSDP2 on one stage's layers (zero 2 or 3), with data_parallel.GradientSync's two calls:
     ``arm`` before the stage's last backward of the mini-batch (reduce-scatter its gradients
-    there; at zero 2 also free the gathered weights after it), ``finish`` before the step."""
+    there; at zero 2 also free the gathered weights after it), ``finish`` before the step.
+    ``bring_up(i)`` gives a meta model's layer i its values just before it is sharded, so a
+    rank holds one whole layer at a time besides its shards."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, zero: int):
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    def __init__(
+        self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
+        bring_up: Callable[[int], object] | None = None,
+    ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         self.keep_gathered = zero == 2
-        for layer in module.children():
+        for index, layer in enumerate(module.children()):
+            if bring_up is not None:
+                bring_up(index)
             if any(p.requires_grad for p in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
         fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
