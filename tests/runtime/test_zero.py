@@ -208,10 +208,14 @@ def test_a_sharded_checkpoint_resumes_bit_identical_and_under_other_replicas_and
         assert torch.equal(value, saved[key]), key
 
 
-def _options(rank: int, world: int) -> dict[str, dict]:
+def _options(rank: int, world: int, folder: str) -> dict[str, dict]:
     """Per variant, each level's whole parameters, skip flags and an evaluation's output after
     3 steps on 2 x 2 ranks."""
     data = batches(STEPS)
+    weights = f"{folder}/weights.pt"  # a whole-model file every rank reads its layers from
+    if rank == 0:
+        torch.save(mlp(seed=5).state_dict(), weights)
+    torch.distributed.barrier()
     poisoned = [(x.clone(), y) for x, y in data]
     poisoned[1][0][0, 0] = float("nan")  # the first replica's share of step 2: skipped
     variants = {  # name: (options, balance, data, levels)
@@ -222,11 +226,12 @@ def _options(rank: int, world: int) -> dict[str, dict]:
         "skip": (dict(), [5, 7], poisoned, (0, 3)),
         "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1)),
         "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
+        "lazy from a file": (dict(weights=weights), [5, 7], data, (0, 3)),
     }
     out = {}
     for name, (options, balance, steps, levels) in variants.items():
         for zero in levels:
-            lazy = "init_seed" in options
+            lazy = "init_seed" in options or "weights" in options
             with torch.device("meta") if lazy else contextlib.nullcontext():
                 model = mlp()
             pipe = pipetrain.Pipeline(
@@ -247,15 +252,19 @@ def _options(rank: int, world: int) -> dict[str, dict]:
     return out
 
 
-def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_trains_as_zero_0():
+def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_trains_as_zero_0(
+    tmp_path,
+):
     """zero=3 (zero=1 under zb-h1, where 2 and 3 are refused) against zero=0, 1e-6, and
     the same evaluation output: under GPipe, interleaved stages, bf16 and fp16 autocast (the
     same casts of the same weights; fp16's loss scale unscales the shards), a meta-device
-    model materialized per stage, and a step whose non-finite loss skips it on every rank."""
-    results = values(run_ranks(_options, 4, deadline=900))
+    model materialized per stage (by the init rule, or from a weights file; at zero 3 a layer
+    at a time, each sharded before the next), and a step whose non-finite loss skips it on
+    every rank."""
+    results = values(run_ranks(_options, 4, str(tmp_path), deadline=900))
     for got in results:
         names = {key.rsplit(" ", 1)[0] for key in got}
-        assert len(names) == 7
+        assert len(names) == 8
         for name in names:
             level = 1 if name == "zero bubble" else 3
             base, sharded = got[f"{name} 0"], got[f"{name} {level}"]
