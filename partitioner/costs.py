@@ -21,7 +21,9 @@ Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight`
     never:  weights[i:j] + k * (cut_bytes[i] + activation_bytes[i:j])
     always: weights[i:j] + k * cut_bytes[i] + activation_bytes[i:j]
 
-``weights`` is parameters + gradients (same size) + optimizer state; ``cut_bytes[i]`` is what the
+``weights`` is parameters + gradients (same size) + optimizer state, each divided by the stage's
+replicas where ``zero`` shards it (1: the optimizer state; 2: and the gradients; 3: and the
+parameters: ZeRO, pipetrain/runtime/sharding.py); ``cut_bytes[i]`` is what the
 stage receives (its input, kept for backward); with recomputation ("always", c = 1 above) only
 that input is kept per micro-batch and one micro-batch's activations are rebuilt at a time, in
 its backward, which runs the stage's forward again. ``checkpoint="auto"`` lets each stage take
@@ -107,6 +109,7 @@ class Problem:
     devices: int = 0  # >= S; more than S replicates stages
     microbatches: int = 1
     allreduce_bandwidth: float = math.inf
+    zero: int = 0  # what a replicated stage shards over its replicas (module docstring)
 
     @property
     def layers(self) -> int:
@@ -176,6 +179,7 @@ def make_problem(
     devices: int | None = None,
     microbatches: int = 1,
     allreduce_bandwidth: float | None = None,
+    zero: int = 0,
 ) -> Problem:
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
     resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
@@ -213,6 +217,8 @@ def make_problem(
         raise ValueError(f"{stages} stages need at least {stages} devices, got {count}")
     if count > stages and not (len(set(spd)) == 1 and len(set(mem)) == 1 and len(set(bw)) <= 1):
         raise ValueError("replicating stages needs identical devices and links")
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
     return Problem(
         forward=fwd,
         backward=bwd,
@@ -232,6 +238,7 @@ def make_problem(
         allreduce_bandwidth=float(
             allreduce_bandwidth if allreduce_bandwidth is not None else (bw[0] if bw else math.inf)
         ),
+        zero=zero,
     )
 
 
@@ -254,6 +261,7 @@ def problem_from_profile(
     memory: int | None | Sequence[int | None] = None,
     bandwidth: float | Sequence[float] = math.inf,
     devices: int | None = None,
+    zero: int = 0,
 ) -> Problem:
     """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
     (default: the profile's batch size) under ``schedule`` (with ``virtual_stages`` stages per
@@ -294,6 +302,7 @@ def problem_from_profile(
         devices=devices,
         microbatches=microbatches,
         allreduce_bandwidth=float(bandwidth) if isinstance(bandwidth, int | float) else None,
+        zero=zero,
     )
 
 
@@ -323,14 +332,29 @@ def link_time(problem: Problem, stage: int) -> np.ndarray:
     return 2.0 * problem.cut_bytes / problem.bandwidth[stage]
 
 
+def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
+    """Per layer, the parameter, gradient and optimizer bytes one device of a stage on
+    ``replicas`` replicas holds: what ``problem.zero`` shards is divided by them (rounded
+    up)."""
+    params = problem.param_bytes
+    optimizer = problem.weight_bytes - 2 * params
+    divisors = [replicas if problem.zero >= level else 1 for level in (3, 2, 1)]
+    held: np.ndarray = sum(
+        -(-part // d) for part, d in zip((params, params, optimizer), divisors, strict=True)
+    )
+    return held.astype(np.int64)
+
+
 def memory_terms(
-    problem: Problem, stage: int, recompute: bool = False
+    problem: Problem, stage: int, recompute: bool = False, replicas: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(H, g) with memory(stage on layers [i, j)) = H[j] + g[i], bytes, int64; ``recompute``
-    keeps one micro-batch's activations instead of ``inflight``'s."""
+    keeps one micro-batch's activations instead of ``inflight``'s; on ``replicas`` replicas
+    the weights ``problem.zero`` shards are divided among them."""
     k = problem.inflight[stage]
     kept = problem.activation_bytes * (1 if recompute else k)
-    head = np.concatenate(([0], np.cumsum(problem.weight_bytes + kept))).astype(np.int64)
+    weights = held_weight_bytes(problem, replicas) if problem.zero else problem.weight_bytes
+    head = np.concatenate(([0], np.cumsum(weights + kept))).astype(np.int64)
     return head, k * problem.cut_bytes - head
 
 
@@ -358,11 +382,11 @@ class StageCost:
         return max(self.compute, self.link)
 
 
-def _fits(problem: Problem, stage: int, start: int, stop: int) -> bool:
-    """Whether the stage on layers [start, stop) fits its device's memory cap keeping its
-    activations."""
+def _fits(problem: Problem, stage: int, start: int, stop: int, replicas: int = 1) -> bool:
+    """Whether the stage on layers [start, stop) on ``replicas`` replicas fits its device's
+    memory cap keeping its activations."""
     cap = problem.memory[stage]
-    head, tail = memory_terms(problem, stage)
+    head, tail = memory_terms(problem, stage, replicas=replicas)
     return cap is None or int(head[stop] + tail[start]) <= cap
 
 
@@ -383,14 +407,15 @@ def evaluate(
     if recompute is None:
         recompute = [
             problem.checkpoint == "always"
-            or (problem.checkpoint == "auto" and not _fits(problem, t, bounds[t], bounds[t + 1]))
+            or (problem.checkpoint == "auto"
+                and not _fits(problem, t, bounds[t], bounds[t + 1], reps[t]))
             for t in range(problem.stages)
         ]
     out = []
     for t in range(problem.stages):
         i, j, r, again = bounds[t], bounds[t + 1], reps[t], bool(recompute[t])
         divisor = problem.speed[t] * r
-        head, tail = memory_terms(problem, t, again)
+        head, tail = memory_terms(problem, t, again, r)
         grads = float(problem.param_bytes[i:j].sum())
         prefix = compute_prefix(problem, t, r, again)
         last = t == problem.stages - 1

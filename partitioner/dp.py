@@ -29,6 +29,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from partitioner.costs import (
     StageCost,
     compute_prefix,
     evaluate,
+    held_weight_bytes,
     link_time,
     make_problem,
     memory_terms,
@@ -130,14 +132,14 @@ class _Sweep:
         layers, stages = problem.layers, problem.stages
         self.floor_log2 = np.zeros(layers + 2, dtype=np.int64)
         self.floor_log2[1:] = np.floor(np.log2(np.arange(1, layers + 2))).astype(np.int64)
-        self.memory = {
-            (t, mode): memory_terms(problem, t, mode)
-            for t, mode in itertools.product(range(stages), problem.modes)
-        }
-        # the most memory any single stage t could need: a cap at or above it never binds
+        # by (stage, mode, replicas): replicas divide what problem.zero shards
+        self.memory: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+        # the most memory any single stage t could need (on one replica, which divides
+        # nothing): a cap at or above it never binds
         self.worst = {
-            key: int((head[1:] + np.maximum.accumulate(tail[:-1])).max())
-            for key, (head, tail) in self.memory.items()
+            (t, mode): int((head[1:] + np.maximum.accumulate(tail[:-1])).max())
+            for t, mode in itertools.product(range(stages), problem.modes)
+            for head, tail in [self._memory(t, mode, 1)]
         }
         self.links = [link_time(problem, t) for t in range(stages)]
         self.prefix: dict[tuple[float, int, bool], np.ndarray] = {}
@@ -157,6 +159,14 @@ class _Sweep:
         if key not in self.prefix:
             self.prefix[key] = compute_prefix(self.problem, stage, replicas, recompute)
         return self.prefix[key]
+
+    def _memory(self, stage: int, recompute: bool, replicas: int) -> tuple[np.ndarray, np.ndarray]:
+        """memory_terms of ``stage`` on ``replicas`` replicas (one pair for every replica
+        count when nothing is sharded)."""
+        key = (stage, recompute, replicas if self.problem.zero else 1)
+        if key not in self.memory:
+            self.memory[key] = memory_terms(self.problem, stage, recompute, key[2])
+        return self.memory[key]
 
     def _cap(self, stage: int, limit: int | None, device_caps: bool) -> int | None:
         device_cap = self.problem.memory[stage] if device_caps else None
@@ -183,7 +193,9 @@ class _Sweep:
                     self._windows(windows, t, r, mode, time)
                     for r in range(1, problem.devices - problem.stages + 2)
                 ]
-                self._advance(states[-1], t, end, self.memory[key], cap, options, reached)
+                self._advance(
+                    states[-1], t, end, partial(self._memory, t, mode), cap, options, reached
+                )
             if not reached:
                 return None
             states.append(reached)
@@ -201,12 +213,12 @@ class _Sweep:
 
     def _advance(
         self, before: dict[int, np.ndarray], stage: int, end: np.ndarray,
-        memory: tuple[np.ndarray, np.ndarray], cap: int | None, options: list[_Window],
-        reached: dict[int, np.ndarray],
+        memory: Callable[[int], tuple[np.ndarray, np.ndarray]], cap: int | None,
+        options: list[_Window], reached: dict[int, np.ndarray],
     ) -> None:
         """Merge into ``reached`` the positions ``stage`` can end at from the positions
-        ``before`` reached, with ``options[r - 1]`` its window on r replicas."""
-        head, tail = memory
+        ``before`` reached, with ``options[r - 1]`` its window and ``memory(r)`` its
+        memory_terms on r replicas."""
         for used, here in before.items():
             most = self.problem.devices - used - (self.problem.stages - 1 - stage)
             if cap is None:
@@ -214,10 +226,12 @@ class _Sweep:
                 for r, window in enumerate(options[:most], 1):
                     _merge(reached, used + r, end & (count[:-1] > count[window.lo]))
                 continue
-            table = self._table(
-                np.where(here, tail, _BIG), max(window.top for window in options[:most])
-            )
+            top = max(window.top for window in options[:most])
+            built = None
             for r, window in enumerate(options[:most], 1):
+                head, tail = memory(r)
+                if built is not tail:  # a new table only where replicas divide the weights
+                    table, built = self._table(np.where(here, tail, _BIG), top), tail
                 least = np.minimum(table.take(window.left_cell), table.take(window.right_cell))
                 ok = head + least <= cap  # _BIG (no reachable start) never fits
                 ok &= window.nonempty
@@ -274,7 +288,7 @@ class _Sweep:
                 here = states[t].get(used - r)
                 if here is None:
                     continue
-                head, tail = self.memory[t, mode]
+                head, tail = self._memory(t, mode, r)
                 prefix = self._prefix(t, r, mode)
                 starts = np.arange(j)
                 ok = here[:j] & (prefix[j] - prefix[:j] <= time)
@@ -323,8 +337,10 @@ def _least_int(feasible: Callable[[int], bool], lo: int, hi: int) -> int:
 
 def _memory_floor(problem: Problem) -> int:
     """A lower bound on any split's peak memory: the weights spread evenly, or the heaviest
-    layer's weights."""
-    return max(int(problem.weight_bytes.sum()) // problem.stages, int(problem.weight_bytes.max()))
+    layer's weights (divided by the most replicas a stage can have, where sharded)."""
+    weights = held_weight_bytes(problem, problem.devices - problem.stages + 1)
+    spread = problem.devices if problem.zero else problem.stages
+    return max(int(weights.sum()) // spread, int(weights.max()))
 
 
 def smallest_cap(problem: Problem) -> int:

@@ -46,6 +46,7 @@ def plan(
     cores: int | None = None,
     overhead: float = 0.0,
     virtual_stages: int = 2,
+    zero: int = 0,
 ) -> Plan:
     """Split ``profile`` into ``stages`` stages for ``microbatches`` micro-batches per step.
 
@@ -57,6 +58,9 @@ def plan(
     profile's batch size. ``checkpoint="auto"`` recomputes activations only on the stages
     whose memory cap needs it ("always": every stage, "never": none; ``Plan.checkpoints``).
     Raises InfeasibleError when nothing fits, naming the cap that would and the ways out.
+    ``zero``: each replicated stage shards its optimizer state (1), also its gradients (2),
+    also its weights (3) over its replicas, as ``Pipeline(zero=...)`` does: a stage's memory
+    counts its share of them.
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -98,6 +102,7 @@ def plan(
         memory=caps,
         bandwidth=links,
         devices=count,
+        zero=zero,
     )
     split = _solve(problem, use_ilp, schedule, checkpoint)
     if interleaved:
@@ -153,6 +158,11 @@ def _remedies(problem: Problem, schedule: str, checkpoint: str, memory: bool) ->
         found.append(Remedy(
             "checkpoint='auto' (recompute activations where the cap needs it)",
             "--checkpoint auto (recompute activations where the cap needs it)",
+        ))
+    if problem.devices > problem.stages and problem.zero < 3:
+        found.append(Remedy(
+            "zero=3 (replicated stages shard their weights, gradients and optimizer state)",
+            "--zero 3 (replicated stages shard their weights, gradients and optimizer state)",
         ))
     return found
 

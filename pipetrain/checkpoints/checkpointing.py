@@ -49,6 +49,12 @@ FORMAT = "pipetrain-checkpoint"
 VERSION = 1
 KEEP = 2  # complete checkpoints kept; older ones are removed after a successful save
 _NAME = re.compile(r"step-\d{8,}(\.\d{4})?")  # a checkpoint's folder (``latest`` names one)
+# a stage's module and optimizer state_dicts, whole, gathered from its sharded replicas
+WholeState = tuple[dict[str, Any], dict[str, Any] | None]
+# the whole tensors by name (module, optimizer state) -> a sharded stage's shares of them
+Shard = Callable[
+    [Stage, dict[str, Any], dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]
+]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,13 +78,14 @@ def _parameter_names(stage: Stage) -> dict[int, str]:
     return {id(p): name for name, p in stage.module.named_parameters()}
 
 
-def _optimizer_state(stage: Stage) -> dict[str, Any]:
-    """The optimizer's state with parameters named, not numbered, so it re-slices."""
+def _optimizer_state(stage: Stage, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The optimizer's state (``state``: its state_dict as gathered from sharded replicas) with
+    parameters named, not numbered, so it re-slices."""
     if stage.optimizer is None:
         return {}
     names = _parameter_names(stage)
     order = [names[id(p)] for g in stage.optimizer.param_groups for p in g["params"]]
-    state = stage.optimizer.state_dict()
+    state = state if state is not None else stage.optimizer.state_dict()
     return {
         "state": {order[i]: s for i, s in state["state"].items()},
         "param_groups": [
@@ -126,11 +133,14 @@ def save(
     scaler: LossScaler | None = None,
     protect: Collection[str] = (),
     run: str | None = None,
+    whole: Sequence[WholeState] | None = None,
 ) -> Path:
     """Write a checkpoint of ``stages`` (this process's) at ``step``. Every process of the
     pipeline calls it; ``barrier`` waits for all of them; the ``coordinator`` publishes it as
     a checkpoint of ``run`` (a fresh identity when None) and prunes that run's old
-    checkpoints, never those named in ``protect``."""
+    checkpoints, never those named in ``protect``. ``whole``: per stage, its module and
+    optimizer state_dicts gathered from its sharded replicas (pipetrain/runtime/sharding.py)
+    in place of the stage's own."""
     run = run or new_run()
     root = Path(folder)
     final = _fresh_name(root, step)
@@ -141,14 +151,15 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()
-    for stage in stages:
+    for i, stage in enumerate(stages):
+        module, optimizer = whole[i] if whole is not None else (stage.module.state_dict(), None)
         payload = {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
             "stage": stage.index,
-            "module": stage.module.state_dict(),
-            "optimizer": _optimizer_state(stage),
+            "module": module,
+            "optimizer": _optimizer_state(stage, optimizer),
             "rng": _rng_state(stage),
             "scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -373,10 +384,13 @@ def _checkpoint(folder: str | os.PathLike[str]) -> Path:
 
 
 def load(
-    folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None = None
+    folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None = None,
+    shard: Shard | None = None,
 ) -> tuple[int, Path] | None:
     """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
-    any balance); return its step and path, or None when there is none yet."""
+    any balance, replicas or ``zero``); return its step and path, or None when there is none
+    yet. ``shard`` turns the whole tensors into a sharded stage's shares
+    (pipetrain/runtime/sharding.py)."""
     path = latest(folder)
     if path is None:
         return None
@@ -389,6 +403,8 @@ def load(
         optimizer_state.update(payload["optimizer"].get("state", {}))
         groups += payload["optimizer"].get("param_groups", [])
     for stage in stages:
+        if shard is not None:  # sharded replicas: each keeps its shards of the whole tensors
+            modules, optimizer_state = shard(stage, modules, optimizer_state)
         _restore_stage(stage, modules, optimizer_state, groups, path)
     by_stage = {payload["stage"]: payload for payload in payloads}
     for stage in stages:  # every stage's schedule is at the same step: any file will do
@@ -432,13 +448,14 @@ def _restore_stage(
     if stage.optimizer is None:
         return
     names = _parameter_names(stage)
-    current = stage.optimizer.state_dict()
     order = [names[id(p)] for g in stage.optimizer.param_groups for p in g["params"]]
     by_name = {n: g for g in groups for n in g["params"]}
-    param_groups = []
-    for group in current["param_groups"]:
-        saved = by_name.get(order[group["params"][0]]) if group["params"] else None
-        param_groups.append({**_hyper(saved or group), "params": group["params"]})
+    param_groups, start = [], 0
+    for group in stage.optimizer.param_groups:  # numbered as the optimizer's state_dict does
+        numbers = list(range(start, start + len(group["params"])))
+        start += len(numbers)
+        saved = by_name.get(order[numbers[0]]) if numbers else None
+        param_groups.append({**_hyper(saved or group), "params": numbers})
     state = {i: optimizer_state[n] for i, n in enumerate(order) if n in optimizer_state}
     stage.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
@@ -457,7 +474,7 @@ class Checkpoints:
     def save(
         self, folder: str | os.PathLike[str], step: int, stages: Sequence[Stage],
         barrier: Callable[[], None], coordinator: bool, num_stages: int,
-        scaler: LossScaler | None,
+        scaler: LossScaler | None, whole: Sequence[WholeState] | None = None,
     ) -> Path:
         """:func:`save`, unless this pipeline's checkpoint of ``step`` is in ``folder`` and
         still complete (the same answer on every rank)."""
@@ -468,16 +485,17 @@ class Checkpoints:
                 return path
         path = save(
             folder, step, stages, barrier, coordinator, num_stages, scaler, self.protected,
-            self.run,
+            self.run, whole,
         )
         self.last = (step, path)
         return path
 
     def load(
-        self, folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None
+        self, folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None,
+        shard: Shard | None = None,
     ) -> int | None:
         """:func:`load`; the step restored, or None when there is no checkpoint yet."""
-        resumed = load(folder, stages, scaler)
+        resumed = load(folder, stages, scaler, shard)
         if resumed is None:
             return None
         step, path = resumed

@@ -6,6 +6,7 @@ asked and possible)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import cast
 
@@ -16,12 +17,15 @@ from pipetrain.observe.progress import logger
 from pipetrain.runtime.agreement import fingerprint
 from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
-from pipetrain.runtime.data_parallel import GradientSync, tied_parameters
+from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.placement import Placement
+from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
 from pipetrain.training.layers import LayerSource
+from pipetrain.training.lazy import is_meta
 from pipetrain.training.weights import stage_versions
 from schedules import Kind, Schedule, inflight
 
@@ -86,35 +90,63 @@ def assemble(
     world.place(schedule, [stages for _, stages in ties])
     world.agree(lambda: fingerprint(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
-        checkpoint=config.checkpoint, replicas=world.placement.replicas,
+        checkpoint=config.checkpoint, replicas=world.placement.replicas, zero=config.zero,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         check_batches=config.check_batches, **source.settings(),
     ))
     if schedule.asynchronous and (ties or world.placement.replicas > 1):
         raise ValueError(_asynchronous_refusal(model, config.schedule, ties, world.placement))
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
+    group = world.replica_group()  # None: one replica, nothing to shard over
+    zero = config.zero if group is not None else 0
+    reason = refusal(zero, schedule, bool(ties), bool(config.cuda_graphs))
+    if reason is not None:
+        raise ValueError(reason)
+    devices = {s: world.device(schedule.rank_of(s)) for s in here}
+    # a meta model that FSDP2 shards comes up a layer at a time, each sharded before the next
+    by_layer = zero >= 2 and is_meta(model)
     # the gradient all-reduces bind their buffers on the device: the layers go there first
-    made = source.bring_up(model, parts, {s: world.device(schedule.rank_of(s)) for s in here})
+    made = {} if by_layer else source.bring_up(model, parts, devices)
     ties = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
     owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
              if any(s in here for s in stages)}
     rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
+    if zero == 1 and group is not None and config.optimizer is not None:
+        config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
     for s in here:
-        mine = [p for p in parts[s][1].parameters()
-                if p.requires_grad and owner.get(id(p), s) == s]
+        syncs: list[Sync]
+        if zero >= 2 and group is not None:
+            offset, layers = parts[s][0], StageModule.of(parts[s][1])
+            parts[s] = (offset, layers)
+            bring_up = partial(_bring_up_layer, source, model, offset, devices[s])
+            syncs = [ShardedGradients(layers, group, zero, devices[s],
+                                      bring_up if by_layer else None)]
+        else:
+            mine = [p for p in parts[s][1].parameters()
+                    if p.requires_grad and owner.get(id(p), s) == s]
+            syncs = list(world.gradient_syncs(mine, rank_ties))
         built.append(_build_stage(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
-            owned_elsewhere=frozenset(i for i, o in owner.items() if o != s),
-            syncs=world.gradient_syncs(mine, rank_ties),
+            owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
         ))
     return built, ties
+
+
+def _bring_up_layer(
+    source: LayerSource, model: nn.Sequential, offset: int, device: torch.device, index: int
+) -> None:
+    """Layer ``offset + index`` of a meta ``model`` on ``device`` with its values, if it has
+    tensors yet to make."""
+    at = offset + index
+    if is_meta(model[at]):
+        source.bring_up(model, [(at, cast(nn.Sequential, model[at : at + 1]))], {0: device})
 
 
 def _build_stage(
     config: PipelineConfig, schedule: Schedule, parts: Parts, index: int,
     device: torch.device, seed: int, owned_elsewhere: frozenset[int],
-    syncs: Sequence[GradientSync],
+    syncs: Sequence[Sync],
 ) -> Stage:
     """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
     versions."""

@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from partitioner import Plan
 from pipetrain.observe.progress import Progress, progress_option
 from pipetrain.runtime.cuda_graphs import check_mode
+from pipetrain.runtime.sharding import check_level
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.tools.planning import load_plan
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
@@ -89,6 +90,7 @@ class PipelineConfig:
     planned_microbatch: int | None = None  # the plan's micro-batch size: its times are for it
     cuda_graphs: bool | str = False  # False, True or "auto" (pipetrain/runtime/cuda_graphs.py)
     check_batches: bool = True  # the ranks compare their first step's batches
+    zero: int = 0  # what replicas shard: 0 nothing .. 3 weights (pipetrain/runtime/sharding.py)
 
     def stage_checkpoint(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
@@ -163,6 +165,7 @@ class PipelineConfig:
         cuda_graphs: bool | str = False,
         nonfinite: str = "skip",
         check_batches: bool = True,
+        zero: int = 0,
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``."""
         _check_checkpoint_type(checkpoint)
@@ -216,7 +219,7 @@ class PipelineConfig:
             progress=progress_option(progress),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             planned_ranks=planned_ranks, planned_microbatch=planned_microbatch,
-            cuda_graphs=graphs, check_batches=bool(check_batches),
+            cuda_graphs=graphs, check_batches=bool(check_batches), zero=check_level(zero),
         )
 
 

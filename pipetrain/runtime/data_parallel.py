@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,16 @@ from torch import nn
 from pipetrain.errors import PeerError
 
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
+
+
+class Sync(Protocol):
+    """What the executor calls on a stage's gradient reduction: ``arm`` before the stage's
+    last backward of the mini-batch, ``finish`` before its optimizer step (GradientSync here,
+    sharding.ShardedGradients under ZeRO 2 and 3)."""
+
+    def arm(self) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 class GradientSync:

@@ -30,6 +30,7 @@ from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
+from pipetrain.runtime.sharding import Checkpointing
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
 from pipetrain.runtime.transport import Transport
@@ -155,6 +156,11 @@ class Pipeline:
             the batches they were given (batch sizes, and a fingerprint of each ``x`` and
             ``y`` given to more than one rank; pipetrain/runtime/batch_agreement.py) and refuse
             different ones on every rank (default True). Later steps are not checked.
+        zero: what each stage's data-parallel replicas shard among them (ZeRO,
+            pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
+            the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
+            there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
+            ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
     ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
@@ -204,6 +210,7 @@ class Pipeline:
         weights: str | os.PathLike[str] | None = None,
         nonfinite: str = "skip",
         check_batches: bool = True,
+        zero: int = 0,
     ):
         self.config = config = PipelineConfig.resolve(
             model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
@@ -213,7 +220,7 @@ class Pipeline:
             weight_stashing=weight_stashing, weight_prediction=weight_prediction,
             precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
             delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
-            nonfinite=nonfinite, check_batches=check_batches,
+            nonfinite=nonfinite, check_batches=check_batches, zero=zero,
         )
         source = LayerSource(init_seed, init, weights)
         source.check(model)
@@ -229,6 +236,8 @@ class Pipeline:
         self._evaluation = forward_only(self.schedule)
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
+        group = self.world.replica_group()  # ZeRO's checkpoints gather and re-shard over it
+        self._sharded = Checkpointing(group) if config.zero and group is not None else None
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
         self._layers = keyed(
             PipelineLayers, (kv for stage in self.stages for kv in positions(stage.module))
@@ -392,11 +401,12 @@ class Pipeline:
             The checkpoint written or found (``folder`` itself on replicas that do not write).
         """
         self.flush()
+        whole = self._sharded.whole(self.stages) if self._sharded is not None else None
         if self.world.placement.replica > 0:
             return Path(folder)  # replicas hold the same state as the first
         return self._checkpoints.save(
             folder, self.step, self.stages, self.world.barrier,
-            self.world.placement.is_coordinator, self.num_stages, self.scaler,
+            self.world.placement.is_coordinator, self.num_stages, self.scaler, whole,
         )
 
     def load(self, folder: str | os.PathLike[str]) -> int | None:
@@ -410,7 +420,8 @@ class Pipeline:
             The step of the checkpoint restored (also ``self.step``), or None if there is none.
         """
         self.flush()  # an asynchronous pipeline settles before its weights are replaced
-        resumed = self._checkpoints.load(folder, self.stages, self.scaler)
+        shard = self._sharded.shard if self._sharded is not None else None
+        resumed = self._checkpoints.load(folder, self.stages, self.scaler, shard)
         if resumed is not None:
             self.step = resumed
             self._unchecked_batch = self.config.check_batches  # a resumed run's data, checked

@@ -16,12 +16,13 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as recompute
 
 from pipetrain.errors import StageError
 from pipetrain.observe.memory import ActivationLedger
 from pipetrain.runtime.cuda_graphs import StageGraphs
-from pipetrain.runtime.data_parallel import GradientSync
+from pipetrain.runtime.data_parallel import Sync
 from pipetrain.runtime.rng import StageRng, State, draw_seeds
 from pipetrain.runtime.stage_module import Cuts, LayerRun, StageModule, alias
 from pipetrain.training.batchnorm import gathering_statistics
@@ -138,7 +139,7 @@ class Stage:
         lr_scheduler: SchedulerFactory | None = None,
         autocast_dtype: torch.dtype | None = None,
         seed: int | None = None,
-        syncs: Sequence[GradientSync] = (),
+        syncs: Sequence[Sync] = (),
         weight_versions: VersionsFactory | None = None,
         loss_divisor: int = 1,
     ):
@@ -181,8 +182,12 @@ class Stage:
         self._layer_weights = per_layer if distinct else None
         # A layer with weights inside it (a transformer block) would have its insides
         # backpropagated again by W; layers that hold their weights themselves (Linear, Conv,
-        # norms) need only their weight gradients there.
-        self._weights_at_top = distinct and not any(
+        # norms) need only their weight gradients there. Weights sharded by FSDP2 (ZeRO 2, 3:
+        # sharding.py) are gathered for one backward pass: W cannot come as a second one; and
+        # autocast keeps no cast of them across micro-batches (with a kept cast, bf16 gradients
+        # came out wrong: tests/runtime/test_zero.py).
+        sharded = any(isinstance(p, DTensor) for p in self._weights)
+        self._weights_at_top = distinct and not sharded and not any(
             p.requires_grad for layer in self.module for child in layer.children()
             for p in child.parameters()
         )
@@ -195,7 +200,7 @@ class Stage:
         self.loss_divisor = loss_divisor
         self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.graphs: StageGraphs | None = None  # CUDA graphs (pipetrain/runtime/cuda_graphs.py)
-        self._autocast_cache = True
+        self._autocast_cache = not sharded
         self._own_versions = False  # a forward modified an input in place (see _own_version)
 
     def use_graphs(self, slots: int, strict: bool) -> None:

@@ -10,7 +10,8 @@ step on every rank. Per step, on the device, without waiting for it where torch 
    (their norms in fp32 by ``torch._foreach_norm``, as ``torch.nn.utils.clip_grad_norm_``
    computes them), and one for the mini-batch's mean loss. Each rank fills its stages'
    entries, the gradients each replica holds after its all-reduce counted once (each replica
-   adds 1/replicas), a weight tied across stages counted once (on the first stage using it);
+   adds 1/replicas; under ZeRO 2 and 3 each adds its own shard's, sharding.py), a weight tied
+   across stages counted once (on the first stage using it);
    one all-reduce sums it over every rank. Every rank then holds the same vector, and in it
    the loss, averaged over replicas: no other message carries it.
 3. Any non-finite entry skips the step on every rank: weights, optimizer state and the
@@ -44,6 +45,7 @@ from pipetrain.errors import NonFiniteError
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.readback import HostCopy
 from pipetrain.runtime.runner import Runner
+from pipetrain.runtime.sharding import local, sharded
 from pipetrain.runtime.stage import Stage
 from pipetrain.training.precision import LossScaler
 from schedules import Schedule
@@ -207,24 +209,29 @@ class Update:
 
     def _scale_gradients(self, factor: torch.Tensor) -> None:
         for stage, params in zip(self.stages, self._stepped, strict=True):
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [local(p.grad) for p in params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor.to(stage.device))
 
     def _agreement(self) -> torch.Tensor:
         """The agreement vector (module docstring, 2), summed over every rank."""
         entries = [self._zero] * (self.count + 1)
+        copies = [float(self.replicas)] * (self.count + 1)  # the replicas adding each entry
         for stage, params in zip(self.stages, self._counted, strict=True):
             grads = [p.grad for p in params if p.grad is not None]
             if grads:  # fp32 norms of every gradient, as clip_grad_norm_ computes them
-                norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+                norms = torch.stack(
+                    torch._foreach_norm([local(g) for g in grads], 2.0, dtype=torch.float32)
+                )
                 entries[stage.index] = torch.dot(norms, norms).to(self.device)
+                if sharded(grads[0]):  # each replica adds its own shard's (ZeRO 2, 3)
+                    copies[stage.index] = 1.0
             if stage.is_last and stage.losses:
                 losses = torch.stack(list(stage.losses.values()))
                 entries[self.count] = losses.mean(dtype=torch.float64).to(self.device)
         vector = torch.stack(entries).double()
         if self.replicas > 1:
-            vector /= self.replicas
+            vector /= torch.tensor(copies, dtype=torch.float64, device=self.device)
         return self.reduce(vector)
 
 

@@ -106,6 +106,11 @@ class World(ABC):
     def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
         """The all-reduces a stage stepping ``mine`` runs before each optimizer step."""
 
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's copies in every replica (None: one replica); ZeRO shards
+        over it (sharding.py)."""
+        return None
+
     @abstractmethod
     def run(
         self, executors: list[Executor], inputs: Sequence[object] | None,
@@ -276,6 +281,9 @@ class ProcessWorld(World):
 
     def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
         check_same(settings(), self.groups.pipeline, self.groups.global_ranks)
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return self.groups.replicas
 
     def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
         """One all-reduce per set of ranks sharing weights (summed over those ranks, averaged

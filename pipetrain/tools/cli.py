@@ -340,6 +340,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cores=host.cores,
             overhead=host.overhead,
             virtual_stages=args.virtual_stages,
+            zero=args.zero,
         )
     except InfeasibleError as error:
         message = " ".join(error.for_command_line().split())
@@ -348,6 +349,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
         raise UsageError(f"infeasible: {message}") from None
     print(describe_plan(result))
+    if args.zero and any(len(stage.ranks) > 1 for stage in result.per_stage):
+        print(f"memory: each replicated stage's share of what zero={args.zero} shards over its "
+              f"replicas; train with Pipeline(..., zero={args.zero})")
     if args.output:
         _save(result.to_json(), args.output)
         print(f"wrote {args.output}")
@@ -698,6 +702,14 @@ def _add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--devices",
         type=int,
         help="devices in all (more than --stages replicates stages in data parallel)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="what each replicated stage shards over its replicas, as Pipeline(zero=): 1 the "
+        "optimizer state, 2 also the gradients, 3 also the weights (default 0: nothing)",
     )
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
     p.add_argument(

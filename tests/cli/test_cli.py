@@ -137,6 +137,24 @@ def test_infeasible_cap_names_a_cap_that_works(profile_path, tmp_path, capsys):
     assert run(f"{args} --memory {cap - 1}", capsys)[0] == 2  # and it is the smallest
 
 
+def test_a_cap_that_replicas_meet_only_by_sharding_is_planned_under_zero(
+    profile_path, tmp_path, capsys
+):
+    """Issue 41: 2 stages on 4 devices; the smallest cap without ZeRO is infeasible, names
+    --zero 3, and fits under it, which the plan says."""
+    args = f"plan {profile_path} --stages 2 --microbatches 4 --devices 4 --checkpoint never"
+    code, _, err = run(f"{args} --memory 1kB", capsys)
+    assert code == 2 and "--zero 3" in err
+    whole = int(re.search(r"smallest memory cap that fits: --memory (\d+)", err).group(1))
+    assert run(f"{args} --memory {whole - 1}", capsys)[0] == 2
+    code, out, err = run(f"{args} --memory {whole - 1} --zero 3 -o {tmp_path / 'p.json'}", capsys)
+    assert code == 0, err
+    assert "train with Pipeline(..., zero=3)" in out
+    planned = Plan.load(tmp_path / "p.json")
+    assert max(s.memory_bytes for s in planned.per_stage) < whole
+    assert any(len(s.ranks) > 1 for s in planned.per_stage)
+
+
 def test_plan_recomputes_when_the_cap_needs_it(profile_path, tmp_path, capsys):
     """Issue 31, item 9: a cap that only recomputation meets is planned by default (before,
     infeasible unless --checkpoint always), and messages name flags never already in force."""

@@ -7,6 +7,7 @@ the cost model rather than one with itself.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class Instance:
     bandwidth: list[float] = field(default_factory=list)
     devices: int = 0
     microbatches: int = 1
+    zero: int = 0  # what a replicated stage shards: 1 optimizer state, 2 + gradients, 3 + weights
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``partitioner.make_problem``."""
@@ -47,6 +49,7 @@ class Instance:
             "bandwidth": self.bandwidth,
             "devices": self.devices,
             "microbatches": self.microbatches,
+            "zero": self.zero,
         }
 
 
@@ -77,8 +80,19 @@ def stage_costs(
         k = inst.inflight[t]
         acts = sum(inst.activation_bytes[i:j])
         stash = k * inst.cut_bytes[i] + (acts if again else k * acts)
-        out.append((max(compute, link), sum(inst.weight_bytes[i:j]) + stash))
+        out.append((max(compute, link), held(inst, i, j, r) + stash))
     return out
+
+
+def held(inst: Instance, i: int, j: int, replicas: int) -> int:
+    """Bytes of layers [i, j)'s weights, gradients and optimizer state on one of ``replicas``
+    devices: under ZeRO each sharded part of each layer is split evenly, rounded up."""
+    total = 0
+    for k in range(i, j):
+        params, everything = inst.param_bytes[k], inst.weight_bytes[k]
+        parts = [(params, 3), (params, 2), (everything - 2 * params, 1)]
+        total += sum(math.ceil(b / (replicas if inst.zero >= z else 1)) for b, z in parts)
+    return total
 
 
 def splits(inst: Instance, use_caps: bool = True):

@@ -80,6 +80,29 @@ def test_replication_matches_brute_force(seed: int) -> None:
         _check(inst)
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_replication_under_zero_matches_brute_force(zero: int) -> None:
+    # replicas divide what ZeRO shards, so caps that bind unsharded pass with more replicas
+    rng = random.Random(500 + zero)
+    for _ in range(25):
+        inst = random_instance(rng, max_layers=6, max_stages=3, extra_devices=rng.randint(1, 3))
+        inst.zero = zero
+        inst.weight_bytes = [2 * p + rng.randint(0, 2000) for p in inst.param_bytes]
+        _with_caps(rng, inst)
+        _check(inst)
+
+
+def test_a_cap_too_small_for_whole_stages_fits_when_replicas_shard_them() -> None:
+    # 4 layers of 1000 weight bytes (100 of parameters), 2 stages on 4 devices: a stage of 2
+    # layers holds 2000 bytes unsharded; at zero=1 on 2 replicas 2 x (200 + 800 / 2) = 1200
+    options = dict(stages=2, devices=4, weight_bytes=[1000] * 4, param_bytes=[100] * 4,
+                   memory=1500)
+    with pytest.raises(InfeasibleError):
+        solve(make_problem([1.0] * 4, **options))
+    split = solve(make_problem([1.0] * 4, **options, zero=1))
+    assert split.replicas == (2, 2) and split.peak_memory == 1200
+
+
 def test_replication_splits_the_heavy_stage() -> None:
     # One layer costs as much as the other three together: with two spare devices the DP
     # replicates it instead of leaving it the bottleneck.

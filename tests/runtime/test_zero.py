@@ -1,0 +1,336 @@
+"""ZeRO 1-3 over each stage's replicas (pipetrain/runtime/sharding.py) against ZeRO 0 and
+single-process training, on real gloo processes: AdamW, clipping by the global norm (small
+enough to bite) and a LambdaLR schedule, 3 steps.
+
+Tolerances (fp32): 1e-6 against zero=0, whose gradients are the same sums in another order
+(reduce-scatter instead of all-reduce) and whose optimizer runs the same arithmetic per element;
+1e-5 against single-process training, as test_hybrid.py (replicas also change the order in which
+a mini-batch's contributions are summed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+import pipetrain
+from tests.runtime.harness import run_ranks, values
+from tests.runtime.models import batches, mlp, tied_model, token_batches
+
+STEPS = 3
+CLIP = 0.5  # the gradients' norm is above it at every step here: the clip changes the answer
+AGAINST_ZERO = 1e-6
+AGAINST_ONE_PROCESS = 1e-5
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def decay(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def single_process() -> dict[str, torch.Tensor]:
+    """The same 3 steps in one process: the whole batch, clip_grad_norm_, then the step."""
+    model = mlp()
+    opt = adamw(model.parameters())
+    schedule = decay(opt)
+    for x, y in batches(STEPS):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        schedule.step()
+    return model.state_dict()
+
+
+def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state_dict with every sharded tensor gathered (a collective over its replicas)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _train_each_level(rank: int, world: int, replicas: int) -> dict[int, dict]:
+    """Per zero level: this rank's whole parameters after the steps, the gradient norms, and
+    what it sharded (its parameters' and optimizer state's local elements)."""
+    out = {}
+    for zero in (0, 1, 2, 3):
+        pipe = pipetrain.Pipeline(
+            mlp(), [5, 7], chunks=2, schedule="1f1b", replicas=replicas, zero=zero,
+            loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
+            clip_grad_norm=CLIP, timeout=60,
+        )
+        share = len(batches(1)[0][0]) // replicas
+        part = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+        norms = []
+        for x, y in batches(STEPS):
+            pipe.train_step(x[part], y[part])
+            norms.append(pipe.metrics["grad_norm"])
+        stage = pipe.stages[0]
+        optimizer = stage.optimizer
+        assert optimizer is not None
+        mine = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        out[zero] = {
+            "state": _whole(pipe.module.state_dict()),
+            "norms": norms,
+            "weights": sum(
+                (p.to_local() if isinstance(p, DTensor) else p).numel()
+                for p in stage.module.parameters()
+            ),
+            "optimizer": sum(
+                (t.to_local() if isinstance(t, DTensor) else t).numel()
+                for s in mine.state.values() for t in s.values() if t.dim() > 0
+            ),
+        }
+    return out
+
+
+def _check(results: list[dict[int, dict]], replicas: int) -> None:
+    expected = single_process()
+    for ranks in results:
+        base = ranks[0]
+        assert min(base["norms"]) > CLIP  # the clip was in force at every step
+        for zero in (1, 2, 3):
+            got = ranks[zero]
+            assert got["norms"] == pytest.approx(base["norms"], rel=1e-6)
+            for key, value in got["state"].items():
+                assert (value - base["state"][key]).abs().max().item() <= AGAINST_ZERO, (zero, key)
+                assert (value - expected[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
+        # what each level shards, on this rank: ZeroRedundancyOptimizer partitions whole
+        # parameters; FSDP2 every parameter's dim 0, and between steps it holds only the
+        # shards at zero 2 too (zero 3 differs in the step, when weights are gathered)
+        assert base["optimizer"] == 2 * base["weights"]  # AdamW: two moments per weight
+        assert ranks[1]["weights"] == base["weights"]
+        assert ranks[1]["optimizer"] < base["optimizer"]
+        for zero in (2, 3):
+            assert ranks[zero]["weights"] < base["weights"]
+            assert ranks[zero]["optimizer"] == 2 * ranks[zero]["weights"]
+    keys = set().union(*(r[3]["state"].keys() for r in results))
+    assert keys == set(expected)
+
+
+def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas():
+    results = values(run_ranks(_train_each_level, 4, 2, deadline=400))
+    _check(results, 2)
+
+
+@pytest.mark.slow
+def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas():
+    results = values(run_ranks(_train_each_level, 8, 4, deadline=900))
+    _check(results, 4)
+
+
+def _pipeline(zero: int, balance: list[int], replicas: int, seed: int = 0) -> pipetrain.Pipeline:
+    return pipetrain.Pipeline(
+        mlp(seed=seed), balance, chunks=2, schedule="1f1b", replicas=replicas, zero=zero,
+        loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
+        clip_grad_norm=CLIP, timeout=60,
+    )
+
+
+def _steps(pipe: pipetrain.Pipeline, data: list) -> None:
+    replicas = pipe.placement.replicas
+    for x, y in data:
+        share = len(x) // replicas
+        part = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+        pipe.train_step(x[part], y[part])
+
+
+def _resume(rank: int, world: int, folder: str) -> dict[str, dict]:
+    """zero=3 on 2 stages x 2 replicas: 4 steps straight, and 2 steps saved then resumed (a
+    model of other weights loads the checkpoint) for 2 more at zero 3, at zero 1, and on 4
+    stages x 1 replica; the checkpoint consolidated."""
+    data = batches(4)
+    straight = _pipeline(3, [5, 7], 2)
+    _steps(straight, data)
+    saving = _pipeline(3, [5, 7], 2)
+    _steps(saving, data[:2])
+    saved = _whole(saving.module.state_dict())
+    saving.save(folder)
+    out = {"straight": _whole(straight.module.state_dict()), "saved": saved}
+    for name, zero, balance, replicas in (
+        ("zero 3", 3, [5, 7], 2), ("zero 1", 1, [5, 7], 2), ("4 x 1", 2, [3, 3, 3, 3], 1),
+    ):
+        resumed = _pipeline(zero, balance, replicas, seed=7)
+        assert resumed.load(folder) == 2
+        _steps(resumed, data[2:])
+        out[name] = _whole(resumed.module.state_dict())
+        if zero == 1:  # ZeroRedundancyOptimizer's state, gathered to the first replica
+            resumed.save(folder + "-zero1")
+            loaded = _pipeline(0, [5, 7], 2, seed=7)
+            assert loaded.load(folder + "-zero1") == 4
+            out["zero 1 saved"] = (_optimizer(resumed), _optimizer(loaded))
+    if rank == 0:
+        out["consolidated"] = pipetrain.consolidate(folder)
+    return out
+
+
+def _optimizer(pipe: pipetrain.Pipeline) -> dict[str, torch.Tensor]:
+    """The first stage's whole optimizer state by parameter name (zero 0 or 1; a collective
+    at 1)."""
+    stage = pipe.stages[0]
+    optimizer = stage.optimizer
+    assert optimizer is not None
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        if pipe.placement.replica > 0:
+            return {}
+    names = [n for n, _ in stage.module.named_parameters()]
+    state = optimizer.state_dict()["state"]
+    return {f"{names[i]}.{k}": v for i, s in state.items() for k, v in s.items()}
+
+
+def test_a_sharded_checkpoint_resumes_bit_identical_and_under_other_replicas_and_zero(tmp_path):
+    results = values(run_ranks(_resume, 4, str(tmp_path / "ckpt"), deadline=400))
+    for got in results:
+        for key, value in got["zero 3"].items():  # the same sums in the same order: equal
+            assert torch.equal(value, got["straight"][key]), key
+        for key, value in got["zero 1"].items():
+            assert (value - got["straight"][key]).abs().max().item() <= AGAINST_ZERO, key
+        kept, loaded = got["zero 1 saved"]
+        for key, value in kept.items():  # the first replica gathered the whole state
+            assert torch.equal(value, loaded[key]), key
+    assert results[0]["zero 1 saved"][0].keys() == results[0]["zero 1 saved"][1].keys()
+    whole = {k: v for got in results for k, v in got["straight"].items()}
+    for got in results:  # 4 stages x 1 replica: another order of the batch's sums
+        for key, value in got["4 x 1"].items():
+            assert (value - whole[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
+    saved = {k: v for got in results for k, v in got["saved"].items()}
+    consolidated = results[0]["consolidated"]
+    assert consolidated.keys() == saved.keys()
+    for key, value in consolidated.items():
+        assert torch.equal(value, saved[key]), key
+
+
+def _options(rank: int, world: int, folder: str) -> dict[str, dict]:
+    """Per variant, each level's whole parameters, skip flags and an evaluation's output after
+    3 steps on 2 x 2 ranks."""
+    data = batches(STEPS)
+    weights = f"{folder}/weights.pt"  # a whole-model file every rank reads its layers from
+    if rank == 0:
+        torch.save(mlp(seed=5).state_dict(), weights)
+    torch.distributed.barrier()
+    poisoned = [(x.clone(), y) for x, y in data]
+    poisoned[1][0][0, 0] = float("nan")  # the first replica's share of step 2: skipped
+    variants = {  # name: (options, balance, data, levels)
+        "gpipe": (dict(schedule="gpipe"), [5, 7], data, (0, 3)),
+        "interleaved": (dict(schedule="interleaved", chunks=4), [3, 3, 3, 3], data, (0, 3)),
+        "bf16": (dict(precision="bf16"), [5, 7], data, (0, 3)),
+        "fp16": (dict(precision="fp16"), [5, 7], data, (0, 3)),
+        "skip": (dict(), [5, 7], poisoned, (0, 3)),
+        "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1)),
+        "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
+        "lazy from a file": (dict(weights=weights), [5, 7], data, (0, 3)),
+    }
+    out = {}
+    for name, (options, balance, steps, levels) in variants.items():
+        for zero in levels:
+            lazy = "init_seed" in options or "weights" in options
+            with torch.device("meta") if lazy else contextlib.nullcontext():
+                model = mlp()
+            pipe = pipetrain.Pipeline(
+                model, balance, **{"chunks": 2, "schedule": "1f1b", **options}, replicas=2,
+                zero=zero, loss_fn=nn.functional.cross_entropy, optimizer=adamw,
+                lr_scheduler=decay, clip_grad_norm=CLIP, timeout=60,
+            )
+            skipped = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for x, y in steps:
+                    _steps(pipe, [(x, y)])
+                    skipped.append(bool(pipe.metrics["skipped_step"]))
+            out[f"{name} {zero}"] = {
+                "state": _whole(pipe.module.state_dict()), "skipped": skipped,
+                "eval": pipe.eval_step(data[0][0]),
+            }
+    return out
+
+
+def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_trains_as_zero_0(
+    tmp_path,
+):
+    """zero=3 (zero=1 under zb-h1, where 2 and 3 are refused) against zero=0, 1e-6, and
+    the same evaluation output: under GPipe, interleaved stages, bf16 and fp16 autocast (the
+    same casts of the same weights; fp16's loss scale unscales the shards), a meta-device
+    model materialized per stage (by the init rule, or from a weights file; at zero 3 a layer
+    at a time, each sharded before the next), and a step whose non-finite loss skips it on
+    every rank."""
+    results = values(run_ranks(_options, 4, str(tmp_path), deadline=900))
+    for got in results:
+        names = {key.rsplit(" ", 1)[0] for key in got}
+        assert len(names) == 8
+        for name in names:
+            level = 1 if name == "zero bubble" else 3
+            base, sharded = got[f"{name} 0"], got[f"{name} {level}"]
+            assert sharded["skipped"] == base["skipped"]
+            assert base["skipped"] == ([False, True, False] if name == "skip" else [False] * 3)
+            for key, value in sharded["state"].items():
+                assert (value - base["state"][key]).abs().max().item() <= AGAINST_ZERO, (name, key)
+            if base["eval"] is not None:  # on the last stage's ranks
+                assert (sharded["eval"] - base["eval"]).abs().max().item() <= AGAINST_ZERO, name
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """What each unsupported combination raises, on 2 stages x 2 replicas."""
+    attempts = [
+        (tied_model(), [3, 3], dict(zero=2)),
+        (mlp(), [5, 7], dict(zero=2, schedule="zb-h1")),
+    ]
+    messages = []
+    for model, balance, options in attempts:
+        with pytest.raises(ValueError) as error:
+            pipetrain.Pipeline(model, balance, replicas=2, loss_fn=nn.functional.cross_entropy,
+                               optimizer=adamw, timeout=60, **options)
+        messages.append(str(error.value))
+    return messages
+
+
+def _tied(rank: int, world: int) -> dict[int, dict]:
+    """A weight tied across the two stages (embedding and head), zero 0 and 1, 3 steps."""
+    out = {}
+    for zero in (0, 1):
+        pipe = pipetrain.Pipeline(
+            tied_model(), [3, 3], chunks=2, replicas=2, zero=zero,
+            loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
+            clip_grad_norm=CLIP, timeout=60,
+        )
+        _steps(pipe, token_batches(STEPS))
+        out[zero] = pipe.module.state_dict()
+    return out
+
+
+def test_a_weight_tied_across_stages_trains_at_zero_1_as_at_zero_0():
+    for got in values(run_ranks(_tied, 4, deadline=300)):
+        assert "0.weight" in got[1] or "5.weight" in got[1]
+        for key, value in got[1].items():  # each stage's copy of the tied weight too
+            assert (value - got[0][key]).abs().max().item() <= AGAINST_ZERO, key
+
+
+def test_what_zero_cannot_shard_yet_is_refused_with_the_reason():
+    for tied, split in values(run_ranks(_refusals, 4, deadline=300)):
+        assert "zero=2 with weights tied across stages is not supported yet" in tied
+        assert "zero=2 with schedule 'zb-h1' is not supported yet" in split
+        assert "use zero=1" in split
+    for bad in (4, -1, True, "3"):
+        with pytest.raises(ValueError, match="zero must be 0"):
+            pipetrain.Pipeline(mlp(), [5, 7], devices=["cpu", "cpu"], zero=bad)
+
+
+def test_without_replicas_zero_changes_nothing():
+    """One process, two stages: no replica to shard over; the parameters are zero=0's."""
+    states = []
+    for zero in (0, 3):
+        pipe = pipetrain.Pipeline(
+            mlp(), [5, 7], devices=["cpu", "cpu"], chunks=2, zero=zero,
+            loss_fn=nn.functional.cross_entropy, optimizer=adamw, clip_grad_norm=CLIP,
+        )
+        _steps(pipe, batches(STEPS))
+        states.append(pipe.module.state_dict())
+    for key, value in states[1].items():
+        assert not isinstance(value, DTensor) and torch.equal(value, states[0][key]), key
