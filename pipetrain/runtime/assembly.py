@@ -76,6 +76,19 @@ def _asynchronous_refusal(
     )
 
 
+def _joint(ties: list[Tie], schedule: Schedule) -> set[tuple[int, ...]]:
+    """The sets of ranks sharing weights that some rank of theirs holds on several of its
+    stages (each rank's copy belongs to its first stage using it)."""
+    holders: dict[tuple[int, ...], dict[int, set[int]]] = {}
+    for _, stages in ties:
+        ranks = tuple(sorted({schedule.rank_of(s) for s in stages}))
+        for rank in ranks:
+            first = min(s for s in stages if schedule.rank_of(s) == rank)
+            holders.setdefault(ranks, {}).setdefault(rank, set()).add(first)
+    return {ranks for ranks, by_rank in holders.items()
+            if any(len(firsts) > 1 for firsts in by_rank.values())}
+
+
 def assemble(
     model: nn.Sequential, config: PipelineConfig, schedule: Schedule, world: World,
     source: LayerSource, seeds: Sequence[int],
@@ -111,6 +124,9 @@ def assemble(
     owner = {id(p): min(s for s in stages if s in here) for p, stages in ties
              if any(s in here for s in stages)}
     rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
+    owned = {s: [p for p in parts[s][1].parameters()
+                 if p.requires_grad and owner.get(id(p), s) == s] for s in here}
+    shared = {} if zero >= 2 else world.gradient_syncs(owned, rank_ties, _joint(ties, schedule))
     if zero == 1 and group is not None and config.optimizer is not None:
         config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
@@ -123,9 +139,7 @@ def assemble(
             syncs = [ShardedGradients(layers, group, zero, devices[s],
                                       bring_up if by_layer else None)]
         else:
-            mine = [p for p in parts[s][1].parameters()
-                    if p.requires_grad and owner.get(id(p), s) == s]
-            syncs = list(world.gradient_syncs(mine, rank_ties))
+            syncs = shared[s]
         built.append(_build_stage(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
             owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,

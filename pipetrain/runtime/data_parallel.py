@@ -125,6 +125,23 @@ class GradientSync:
         self._armed = False
 
 
+class JointSync:
+    """One reduction shared by several stages of a rank (each calls ``finish`` before its
+    step): it runs at the last of them, when every one has made its gradients."""
+
+    def __init__(self, sync: GradientSync, stages: int):
+        self.sync, self.stages, self._finished = sync, stages, 0
+
+    def arm(self) -> None:
+        """Nothing: the reduction waits for every stage's backward."""
+
+    def finish(self) -> None:
+        self._finished += 1
+        if self._finished == self.stages:
+            self._finished = 0
+            self.sync.finish()
+
+
 def tied_parameters(
     model: nn.Sequential, balance: Sequence[int]
 ) -> list[tuple[nn.Parameter, tuple[int, ...]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import atexit
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import timedelta
@@ -26,7 +26,7 @@ from torch import nn
 from pipetrain.errors import PeerError
 from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
-from pipetrain.runtime.data_parallel import GradientSync
+from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync
 from pipetrain.runtime.distributed import local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
@@ -103,8 +103,12 @@ class World(ABC):
         """Refuse to go on unless every rank built the same ``settings()`` (agreement.py)."""
 
     @abstractmethod
-    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
-        """The all-reduces a stage stepping ``mine`` runs before each optimizer step."""
+    def gradient_syncs(
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+    ) -> dict[int, list[Sync]]:
+        """Per stage here (``owned``: the parameters each steps), the all-reduces it runs
+        before each optimizer step. ``joint``: the sets of ranks whose shared weights some rank
+        holds on several of its stages (their reduction waits for all of them)."""
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The group of this rank's copies in every replica (None: one replica); ZeRO shards
@@ -194,8 +198,10 @@ class ThreadWorld(World):
     def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
         """One process built every stage: nothing to compare."""
 
-    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
-        return []
+    def gradient_syncs(
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+    ) -> dict[int, list[Sync]]:
+        return {s: [] for s in owned}
 
     def run(
         self, executors: list[Executor], inputs: Sequence[object] | None,
@@ -285,20 +291,34 @@ class ProcessWorld(World):
     def replica_group(self) -> dist.ProcessGroup | None:
         return self.groups.replicas
 
-    def gradient_syncs(self, mine: list[nn.Parameter], ties: RankTies) -> list[GradientSync]:
+    def gradient_syncs(
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+    ) -> dict[int, list[Sync]]:
         """One all-reduce per set of ranks sharing weights (summed over those ranks, averaged
-        over replicas), one over replicas for the rest."""
+        over replicas), one over replicas for each stage's other weights. A set's weights are
+        reduced in the order of ``ties``, the same on every rank; where a rank holds them on
+        several stages (``joint``), once, when the last of those stages finishes its backward:
+        per stage, the ranks would meet in different orders."""
         scale = 1.0 / self.placement.replicas
-        ids = {id(p) for p in mine}
-        syncs = []
+        stage_of = {id(p): s for s, params in owned.items() for p in params}
+        syncs: dict[int, list[Sync]] = {s: [] for s in owned}
         for rank_set, group in self.groups.ties.items():
-            shared = [p for p, ranks in ties if id(p) in ids and ranks == rank_set]
-            if shared:
-                syncs.append(GradientSync(shared, group, scale, self.timeout))
+            shared = [p for p, ranks in ties if id(p) in stage_of and ranks == rank_set]
+            users = sorted({stage_of[id(p)] for p in shared})
+            if not shared:
+                continue
+            if rank_set in joint:
+                sync = JointSync(GradientSync(shared, group, scale, self.timeout, overlap=False),
+                                 len(users))
+                for s in users:
+                    syncs[s].append(sync)
+            else:
+                syncs[users[0]].append(GradientSync(shared, group, scale, self.timeout))
         ranks_of = {id(p): ranks for p, ranks in ties}
-        rest = [p for p in mine if len(ranks_of.get(id(p), ())) < 2]
-        if self.groups.replicas is not None and rest:
-            syncs.append(GradientSync(rest, self.groups.replicas, scale, self.timeout))
+        for s, params in owned.items():
+            rest = [p for p in params if len(ranks_of.get(id(p), ())) < 2]
+            if self.groups.replicas is not None and rest:
+                syncs[s].append(GradientSync(rest, self.groups.replicas, scale, self.timeout))
         return syncs
 
     def run(
