@@ -578,3 +578,8 @@ def features(case: Case) -> set[str]:
     if len(case.balance) > case.ranks:
         found.add("several stages per rank")
     return found
+
+
+def model_of(tokens: Sequence[str], input_shape: Sequence[int] = ()) -> nn.Sequential:
+    """:func:`build_model` by plain arguments: a factory for ``pipetrain profile --kwargs``."""
+    return build_model(ModelSpec(tuple(input_shape), tuple(tokens)))
