@@ -21,6 +21,14 @@ change between mini-batches. So that the first payload's receive need not wait f
 the sender's transport thread next gets a core: milliseconds, on the pipeline's critical path),
 the receiver posts it at once with the previous call's shapes. The sender knows those shapes
 too: when they changed, it first sends a stand-in of the old shapes to fill that receive.
+
+A gradient may be absent: a stage whose input got no gradient (a detached path) sends none,
+so that the stages before it leave ``.grad`` None and an optimizer skips their weights, as
+in plain training. The receiver has posted its receive already, so the message keeps its
+tensors (zeros stand in) and micro-batch 0's gradient of each call (of a synchronous
+schedule) comes with a second header saying which gradients are there; every micro-batch of
+the call must have the same ones. Asynchronous schedules send every gradient (zeros where
+none flows).
 """
 
 from __future__ import annotations
@@ -153,6 +161,11 @@ class Executor:
         self._received: dict[Action, list[torch.Tensor]] = {}
         self._posted: dict[Action, Handle] = {}
         self._guessed: dict[Action, Handle] = {}  # first payloads posted with last call's shapes
+        # per stage, which of its outputs' gradients come back this call (see the docstring),
+        # as the next stage announced it; and per stage, which input gradients it sends
+        self._present: dict[int, tuple[bool, ...]] = {}
+        self._presence_posted: dict[Action, Handle] = {}
+        self._sent_present: dict[int, tuple[bool, ...]] = {}
         self._sends: list[tuple[Action, Handle]] = []
         self._next_recv = 0
         self._outputs: list[object] = []
@@ -295,6 +308,11 @@ class Executor:
             last = self.carry.shapes_in.get(action.stage) if header else None
             try:
                 self._posted[action] = self.transport.recv(metas, peer, number)
+                if self._announces(action, metas):
+                    self._presence_posted[action] = self.transport.recv(
+                        (TensorMeta((len(metas),), torch.int64, False),), peer,
+                        self._tag(action, header=True),
+                    )
                 if last is not None:
                     self._guessed[action] = self.transport.recv(
                         last.tensors, peer, self._tag(action)
@@ -302,6 +320,15 @@ class Executor:
             except PeerError as error:
                 self._peer_failed(action, error, "receiving from")
             self._next_recv += 1
+
+    def _announces(self, action: Action, metas: Sequence[TensorMeta]) -> bool:
+        """Whether the gradients of ``action`` (a send or receive) come with the header saying
+        which are there: micro-batch 0's of a synchronous schedule, between ranks."""
+        return (
+            action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD) and action.microbatch == 0
+            and not self.schedule.asynchronous and bool(metas)
+            and not self.schedule.local(action.stage, _peer(action))
+        )
 
     def _tag(self, action: Action, header: bool = False) -> int:
         if self.schedule.asynchronous:  # tag by global number: a message may cross calls
@@ -363,6 +390,10 @@ class Executor:
 
     def _do_recv_grad(self, action: Action) -> None:
         self._received[action] = self._receive(action)
+        presence = self._presence_posted.pop(action, None)
+        if presence is not None:
+            mask = self._wait(action, presence)[0]
+            self._present[action.stage] = tuple(bool(v) for v in mask.tolist())
 
     # -- compute ----------------------------------------------------------------------------
 
@@ -416,16 +447,57 @@ class Executor:
 
     def _do_backward(self, action: Action) -> list[Outgoing]:
         i, stage = action.microbatch, self.stages[action.stage]
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         if not stage.is_last:
-            grads = self._received.pop(Action(Kind.RECV_GRAD, action.stage, i))
+            grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
+            if not self.schedule.asynchronous:
+                present = self._present.get(action.stage)
+                if present is None:
+                    raise PipelineError(
+                        f"{self._where()}: micro-batch {i}'s gradients arrived before "
+                        "micro-batch 0's, which say which gradients are there; the schedule "
+                        "is out of order"
+                    )
+                grads = [g if there else None for g, there in zip(grads, present, strict=True)]
         input_grads = stage.backward(self.base + i, grads, self.loss_scale)
         self.carry.in_flight.pop((action.stage, self.base + i), None)
         if not self.schedule.splits_backward and stage.weights_pending(self.base + i):
             self._owed[action.stage, i] = self.base + i  # input gradients first: _do_send
         if stage.is_first:
             return []
-        return [(Action(Kind.SEND_GRAD, action.stage, i), input_grads, False)]
+        return self._gradients_out(Action(Kind.SEND_GRAD, action.stage, i), input_grads)
+
+    def _gradients_out(
+        self, send: Action, grads: list[torch.Tensor | None]
+    ) -> list[Outgoing]:
+        """The messages of ``send``: its gradients (zeros standing in for absent ones) and,
+        where it announces them, which are there (see the module docstring). A stage of this
+        rank learns that directly."""
+        present = tuple(g is not None for g in grads)
+        metas = self._in_meta[send.stage].grad_metas
+        device = self.transport.device
+        tensors = [
+            g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
+            for g, m in zip(grads, metas, strict=True)
+        ]
+        if self.schedule.asynchronous:
+            return [(send, tensors, False)]
+        first = self._sent_present.setdefault(send.stage, present)
+        if present != first:
+            raise StageError(
+                f"stage {send.stage}: micro-batch {send.microbatch} has gradients for its "
+                f"inputs {[k for k, p in enumerate(present) if p]} but an earlier micro-batch "
+                f"for {[k for k, p in enumerate(first) if p]}; every micro-batch of a "
+                "mini-batch must backpropagate to the same stage inputs (a detach or "
+                "branch that depends on the data cannot cross a stage boundary)"
+            )
+        if self.schedule.local(send.stage, _peer(send)):
+            self._present[_peer(send)] = present
+            return [(send, tensors, False)]
+        if not self._announces(send, metas):
+            return [(send, tensors, False)]
+        mask = torch.tensor(present, dtype=torch.int64, device=self.transport.device)
+        return [(send, [mask], True), (send, tensors, False)]
 
     def _do_weight(self, action: Action) -> None:
         self.stages[action.stage].backward_weights(self.base + action.microbatch)

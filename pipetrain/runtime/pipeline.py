@@ -32,7 +32,7 @@ from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.runtime.stage_module import PipelineLayers
+from pipetrain.runtime.stage_module import PipelineLayers, positions
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
@@ -225,7 +225,7 @@ class Pipeline:
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
         self._layers = PipelineLayers(
-            OrderedDict((k, m) for stage in self.stages for k, m in stage.module.named_children())
+            OrderedDict(layer for stage in self.stages for layer in positions(stage.module))
         )
         self._start_training(ties)
         logger.info(

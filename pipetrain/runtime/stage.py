@@ -23,7 +23,7 @@ from pipetrain.observe.memory import ActivationLedger
 from pipetrain.runtime.cuda_graphs import StageGraphs
 from pipetrain.runtime.data_parallel import GradientSync
 from pipetrain.runtime.rng import StageRng, State, draw_seeds
-from pipetrain.runtime.stage_module import Cuts, LayerRun, StageModule
+from pipetrain.runtime.stage_module import Cuts, LayerRun, StageModule, alias
 from pipetrain.training.batchnorm import gathering_statistics
 from pipetrain.training.precision import autocast, to_boundary
 from pipetrain.training.weights import WeightVersions
@@ -64,6 +64,45 @@ class _Stashed:
     # their aliases and W backpropagates each layer from them to its weights alone. None: W
     # backpropagates the stage's outputs (a recomputed micro-batch, or weights used twice)
     cuts: Cuts | None = None
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of a stage's input: a tensor, or a tuple or list of them."""
+    members = value if type(value) in (tuple, list) else (value,)
+    return [t for t in members if isinstance(t, torch.Tensor)]  # type: ignore[attr-defined]
+
+
+def _own_version(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory under a version counter of its own (no copy). Micro-batches are
+    views of one mini-batch, which share its counter: once a stage modifies its input in
+    place, each micro-batch needs its own, or autograd takes the next micro-batch's change
+    for one of the data a backward needs."""
+    return tensor.new_empty(0).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
+def _entered(value: object, copy: bool, own_versions: bool) -> object:
+    """A stage's input (a tensor or a tuple or list of them) as its first layer reads it, so
+    that the layer may modify it in place as a model's own layers may: through :func:`alias`
+    where it needs a gradient (the stashed inputs, leaves, only collect gradients), under a
+    version counter of its own where asked; copied when the forward will run again on the
+    same input (recomputation), which an in-place op must not have changed."""
+
+    def enter(t: object) -> object:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if copy:
+            return t.clone()
+        if t.requires_grad:
+            return alias(t)
+        return _own_version(t) if own_versions else t
+
+    if type(value) is tuple:
+        return tuple(enter(t) for t in value)
+    if type(value) is list:
+        return [enter(t) for t in value]
+    return enter(value)
 
 
 class _Runner(nn.Module):
@@ -123,6 +162,7 @@ class Stage:
         params = [
             p for p in self.module.parameters() if p.requires_grad and id(p) not in owned_elsewhere
         ]
+        self._owned = params  # what this stage steps and zeroes
         self.optimizer, self.scheduler = build_optimizer(params, optimizer, lr_scheduler)
         self.autocast_dtype = autocast_dtype  # mixed precision (pipetrain/training/precision.py)
         self.syncs = list(syncs)  # gradient all-reduces before each optimizer step
@@ -156,6 +196,7 @@ class Stage:
         self._names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.graphs: StageGraphs | None = None  # CUDA graphs (pipetrain/runtime/cuda_graphs.py)
         self._autocast_cache = True
+        self._own_versions = False  # a forward modified an input in place (see _own_version)
 
     def use_graphs(self, slots: int, strict: bool) -> None:
         """Replay CUDA graphs of the training forward and backward
@@ -265,24 +306,36 @@ class Stage:
         layers = self._layer_weights if self.graphs is None else None  # a replay cuts nothing
         if (self.split_backward or cut) and not recomputed and layers is not None:
             cuts = Cuts(layers)
-        work: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
+        run: Callable[[object], object] = partial(self._run_and_score, target=target, cuts=cuts)
         versions = self.versions
         if versions is not None:  # asynchronous: the weights this micro-batch reads
-            work = self._functional(versions.forward_weights(microbatch), target)
+            run = self._functional(versions.forward_weights(microbatch), target)
+        # a forward that runs again (recomputed) must find its input as it was
+        again = recomputed or (versions is not None and versions.recomputes)
+
+        def work(value: object) -> object:
+            return run(_entered(value, again, self._own_versions))
+
+        plain = [(t, t._version) for t in _tensors(value) if not t.requires_grad]
+
         ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
         with ledger, gathering_statistics():
             if versions is not None and versions.recomputes:
                 output = work(value)  # its graph is dropped: the backward recomputes
                 self._targets[microbatch] = (value, target, start)  # on the live weights
-            elif recomputed:
+            elif recomputed:  # its input under a version counter of its own: checkpoint
+                # checks it, and another micro-batch may modify its own in place
                 output = recompute(
-                    work, value, use_reentrant=False, preserve_rng_state=False,
+                    work, _entered(value, False, True), use_reentrant=False,
+                    preserve_rng_state=False,
                     context_fn=partial(self.rng.checkpoint_contexts, start),
                 )
             elif self.graphs is not None:
                 output = self.graphs.forward(microbatch, value, target)
             else:
                 output = work(value)
+        if any(t._version != seen for t, seen in plain):  # modified in place: see _own_version
+            self._own_versions = True
         return output, cuts
 
     def _run_and_score(
@@ -314,12 +367,13 @@ class Stage:
         return loss
 
     def _output_grads(
-        self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor], microbatch: int,
-        loss_scale: float | torch.Tensor,
-    ) -> Sequence[torch.Tensor]:
+        self, outputs: list[torch.Tensor], grads: Sequence[torch.Tensor | None],
+        microbatch: int, loss_scale: float | torch.Tensor,
+    ) -> Sequence[torch.Tensor | None]:
         """The gradients to start the backward of ``outputs`` from: on the last stage the loss
         scale over the loss divisor (the mean over micro-batches, without a division in each
-        micro-batch's graph), else the received ones, one per output that needs a gradient."""
+        micro-batch's graph), else the received ones, one per output that needs a gradient
+        (None: the next stage's input got none, as a detached one)."""
         if self.is_last:
             if not outputs:
                 return []
@@ -335,19 +389,24 @@ class Stage:
         return grads
 
     def backward(
-        self, microbatch: int, grads: Sequence[torch.Tensor],
+        self, microbatch: int, grads: Sequence[torch.Tensor | None],
         loss_scale: float | torch.Tensor = 1.0,
-    ) -> list[torch.Tensor]:
+    ) -> list[torch.Tensor | None]:
         """Backpropagate micro-batch ``microbatch`` from its output gradients (on the last
         stage, from ``loss_scale``: fp16's); return the gradients of the inputs that the
-        previous stage asked for. Under ``split_backward``, and for a micro-batch whose
-        forward was cut whole, only those: its weight gradients wait for
-        ``backward_weights`` (:meth:`weights_pending` says so)."""
+        previous stage asked for, None for one that got none (as plain training leaves
+        ``.grad`` None where no path leads: the stages before then get none either, and an
+        optimizer skips their weights). An output whose gradient is None is no root of the
+        backward. Under ``split_backward``, and for a micro-batch whose forward was cut whole,
+        only the input gradients: its weight gradients wait for ``backward_weights``
+        (:meth:`weights_pending` says so)."""
         stashed = self._stash.pop(microbatch)
         if self.versions is not None:
             return self._versioned_backward(microbatch, stashed, grads, loss_scale)
-        outputs = [t for t in stashed.outputs if t.requires_grad]
-        grads = self._output_grads(outputs, grads, microbatch, loss_scale)
+        roots = [t for t in stashed.outputs if t.requires_grad]
+        received = self._output_grads(roots, grads, microbatch, loss_scale)
+        outputs = [t for t, g in zip(roots, received, strict=True) if g is not None]
+        given = [g for g in received if g is not None]
         wanted = [x for x in stashed.inputs if x.requires_grad]
         # outside a split-backward schedule, only a whole cut splits: W then costs no more
         # than its share of one backward (an uncut W would backpropagate everything again)
@@ -355,27 +414,25 @@ class Stage:
         with self._reporting("backward", microbatch):
             if not split:
                 if outputs:
-                    torch.autograd.backward(outputs, grads)
+                    torch.autograd.backward(outputs, given)
                 found = [x.grad for x in wanted]
                 if self.graphs is not None and self.graphs.release(microbatch):
                     # a replayed backward's input gradients may be the graph's own buffers
                     found = [g.clone() if g is not None else None for g in found]
             else:
-                found = self._input_gradients(microbatch, stashed, outputs, list(grads), wanted)
+                found = self._input_gradients(microbatch, stashed, outputs, given, wanted)
         if self.ledger and not split:
             self.ledger.release(microbatch)
-        return [
-            g if g is not None else torch.zeros_like(x)
-            for g, x in zip(found, wanted, strict=True)
-        ]
+        return found
 
     def _versioned_backward(
-        self, microbatch: int, stashed: _Stashed, grads: Sequence[torch.Tensor],
+        self, microbatch: int, stashed: _Stashed, grads: Sequence[torch.Tensor | None],
         loss_scale: float | torch.Tensor,
-    ) -> list[torch.Tensor]:
+    ) -> list[torch.Tensor | None]:
         """Backward of an asynchronous stage: through the weights the forward read (or, with
         "stale" versions, a recomputed forward on the live weights); the weight gradients are
-        added to the live parameters' ``.grad``."""
+        added to the live parameters' ``.grad``. Its input gradients are never None (zeros
+        where none flows): asynchronous schedules send every gradient."""
         versions = self.versions
         assert versions is not None
         weights = versions.backward_weights(microbatch)
@@ -387,10 +444,14 @@ class Stage:
                 assert not self.is_last, "the last stage has lag 0: nothing to recompute"
                 live = all(w is p for w, p in zip(weights, self._weights, strict=True))
                 with torch.enable_grad(), self.rng.replay(start):
-                    out = self._functional(None if live else weights, target)(value)
+                    out = self._functional(None if live else weights, target)(
+                        _entered(value, False, self._own_versions)
+                    )
                 outputs_all = out if isinstance(out, tuple) else (out,)
             outputs = [t for t in outputs_all if t.requires_grad]
-            grads = self._output_grads(outputs, grads, microbatch, loss_scale)
+            received = self._output_grads(outputs, grads, microbatch, loss_scale)
+            grads = [g if g is not None else torch.zeros_like(t)
+                     for g, t in zip(received, outputs, strict=True)]
             # backward() accumulates into .grad in place: into the live parameters' when the
             # forward read them; else into the copies', which share the live .grad tensors
             # (allocated by the first backward after an update, then moved over below)
@@ -422,7 +483,9 @@ class Stage:
         found: list[torch.Tensor | None] = [None] * (len(wanted) + len(aliases))
         if outputs and (wanted or aliases):
             found = list(torch.autograd.grad(
-                outputs, wanted + aliases, grads, retain_graph=True, allow_unused=True
+                # tensors and gradient edges mix (torch's annotation has one or the other)
+                outputs, cast(list[torch.Tensor], [*wanted, *aliases]), grads,
+                retain_graph=True, allow_unused=True,
             ))
         work: list[_WeightWork] = []
         if cuts is not None:
@@ -462,8 +525,13 @@ class Stage:
         keep = bool(self.syncs) or self.graphs is not None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=not keep)
-        else:
-            self.module.zero_grad(set_to_none=not keep)
+            return
+        # never a weight that another stage of this process steps (and may synchronise)
+        for p in self._owned:
+            if p.grad is not None and keep:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
     def check_backpropagated(self) -> None:
         """Refuse an optimizer step of a synchronous stage while micro-batches still wait for

@@ -12,9 +12,13 @@ weights, with the outputs' gradients that the input pass (B) found. Those gradie
 only what flows back from LATER layers: the gradient of a layer's output ``h`` taken as a
 whole already holds every path from ``h``, those through the layer's other outputs included,
 so a layer returning ``(tanh(h), h)`` (a residual branch crossing the boundary) would have W
-count the ``tanh`` path twice. Hence the cut: later layers read identity aliases (views) of
-the layer's outputs, B takes the aliases' gradients, which only later uses reach, and W starts
-from the layer's own outputs, so autograd adds the paths inside the layer exactly once.
+count the ``tanh`` path twice. Hence the cut: later layers read identity aliases of the
+layer's outputs, B takes the gradients that reach the aliases, which only later uses reach,
+and W starts from the layer's own outputs, so autograd adds the paths inside the layer
+exactly once. An alias is a tensor of its own in the graph (:func:`alias`, not a view): an
+in-place op on it or on a view of it (``Flatten`` then ``ReLU(inplace=True)``) rewrites the
+alias's history, never the output's, and B asks for the gradient at the alias's node as it
+was made (its gradient edge), which every later use reaches however it was rewritten.
 
 ``pipe.module`` is a :class:`PipelineLayers`: the same layers as one module, which the stages
 never call, so it refuses hooks rather than ignore them.
@@ -25,19 +29,46 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class _Alias(torch.autograd.Function):
+    """The identity, as a node of its own: the output shares the input's memory (and version
+    counter) without being a view of it."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a later layer may read it, in place too: an identity of its own in the
+    graph (an in-place op on it rewrites its history, not ``tensor``'s, and a leaf stays
+    untouched by autograd's leaf rule). No copy."""
+    return cast(torch.Tensor, _Alias.apply(tensor))  # type: ignore[no-untyped-call]
+
+
+def positions(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every (key, layer) of ``module`` in order, a layer used at several positions listed at
+    each, as the model runs it (``named_children`` lists a module once)."""
+    return [(key, layer) for key, layer in module._modules.items() if layer is not None]
 
 
 @dataclass
 class Cut:
-    """One layer's cut: its outputs (W starts there), the aliases later layers read (B takes
-    their gradients), and the layer's weights."""
+    """One layer's cut: its outputs (W starts there), the gradient edges of the aliases later
+    layers read (B takes the gradients that reach them), and the layer's weights."""
 
     outputs: list[torch.Tensor]
-    aliases: list[torch.Tensor]
+    aliases: list[GradientEdge]
     weights: list[nn.Parameter]
 
 
@@ -68,10 +99,10 @@ class Cuts:
         read = []
         for member in members:
             if isinstance(member, torch.Tensor) and member.requires_grad:
-                alias = member.view_as(member)
+                read_as = alias(member)
                 cut.outputs.append(member)
-                cut.aliases.append(alias)
-                member = alias
+                cut.aliases.append(get_gradient_edge(read_as))
+                member = read_as
             read.append(member)
         self.layers.append(cut)
         if isinstance(output, torch.Tensor):
@@ -93,10 +124,11 @@ class StageModule(nn.Sequential):
 
     @classmethod
     def of(cls, module: nn.Sequential) -> StageModule:
-        """``module``'s layers (the same objects, under the same keys) as a StageModule."""
+        """``module``'s layers (the same objects, under the same keys, a layer used twice at
+        both positions) as a StageModule."""
         if isinstance(module, StageModule):
             return module
-        return cls(OrderedDict(module.named_children()))
+        return cls(OrderedDict(positions(module)))
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""

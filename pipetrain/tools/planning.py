@@ -10,12 +10,14 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.runtime.microbatch import Batch, batch_size
+from pipetrain.runtime.stage_module import positions
 
 
 def layer_signature(model: nn.Sequential) -> tuple[list[str], list[int]]:
     """Per layer, its name ("key:Class", e.g. "3:Linear") and parameter count: what a profile
-    records and a plan is checked against."""
-    names = [f"{key}:{type(layer).__name__}" for key, layer in model.named_children()]
+    records and a plan is checked against; a layer used at several positions is counted at
+    each, as the model runs it."""
+    names = [f"{key}:{type(layer).__name__}" for key, layer in positions(model)]
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model]
     return names, counts
 

@@ -25,6 +25,7 @@ from torch import nn
 from pipetrain.runtime.assembly import split
 from pipetrain.runtime.data_parallel import tied_parameters
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
+from pipetrain.runtime.stage_module import positions
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.weights import stage_versions
 from schedules import build, lookup
@@ -111,7 +112,7 @@ class DelayedPipeline:
 
     @property
     def module(self) -> nn.Sequential:
-        layers = [(k, m) for stage in self.stages for k, m in stage.module.named_children()]
+        layers = [layer for stage in self.stages for layer in positions(stage.module)]
         return nn.Sequential(OrderedDict(layers))
 
     def train_step(self, x: object, y: object) -> None:
@@ -143,7 +144,7 @@ class DelayedPipeline:
             while self._forwarded[s] <= t + self.lags[s] and self._forwarded[s] < self._fed:
                 self._forward(s, self._forwarded[s])
                 self._forwarded[s] += 1
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         for stage in reversed(self.stages):
             grads = stage.backward(t, grads)
         self._update(*self._units.pop(t))
