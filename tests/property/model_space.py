@@ -36,6 +36,10 @@ VOCAB = 7  # token ids of an Embedding model
 SCHEDULES = tuple(names(asynchronous=False))  # every synchronous schedule in the registry
 OPTIMIZERS = ("sgd", "adamw")
 CLIP = 0.5  # below the usual gradient norm here, so a clip on changes the step
+# Norms divide by sqrt(variance + eps): after a ReLU a feature may be nearly constant, and the
+# default eps (1e-5) then magnifies fp32 rounding 300-fold, to the 1e-5 tolerance itself (plain
+# training in fp32 and fp64 differed by 1.4e-5); 1e-3 bounds the magnification to 30
+NORM_EPS = 1e-3
 SEED = 1234  # torch's seed before each Pipeline is built (the stages' random streams)
 
 Shape = tuple[int, ...]
@@ -231,9 +235,9 @@ def _make(token: str, shape: Shape, built: _Built) -> tuple[nn.Module, Shape, bo
     if token == "conv":
         return nn.Conv1d(shape[0], shape[0], 3, padding=1), shape, False
     if token == "layernorm":
-        return nn.LayerNorm(d), shape, False
+        return nn.LayerNorm(d, eps=NORM_EPS), shape, False
     if token == "batchnorm":
-        return nn.BatchNorm1d(shape[0] if len(shape) == 2 else d), shape, False
+        return nn.BatchNorm1d(shape[0] if len(shape) == 2 else d, eps=NORM_EPS), shape, False
     if token == "affine":
         if d not in built.shared:
             built.shared[d] = (nn.Parameter(1 + 0.1 * torch.randn(d)),
