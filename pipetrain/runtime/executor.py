@@ -308,7 +308,7 @@ class Executor:
             last = self.carry.shapes_in.get(action.stage) if header else None
             try:
                 self._posted[action] = self.transport.recv(metas, peer, number)
-                if self._announces(action, metas):
+                if self._announces(action, len(metas)):
                     self._presence_posted[action] = self.transport.recv(
                         (TensorMeta((len(metas),), torch.int64, False),), peer,
                         self._tag(action, header=True),
@@ -321,12 +321,13 @@ class Executor:
                 self._peer_failed(action, error, "receiving from")
             self._next_recv += 1
 
-    def _announces(self, action: Action, metas: Sequence[TensorMeta]) -> bool:
-        """Whether the gradients of ``action`` (a send or receive) come with the header saying
-        which are there: micro-batch 0's of a synchronous schedule, between ranks."""
+    def _announces(self, action: Action, count: int) -> bool:
+        """Whether the ``count`` gradients of ``action`` (a send or receive) come with the
+        header saying which are there: micro-batch 0's of a synchronous schedule, between
+        ranks."""
         return (
             action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD) and action.microbatch == 0
-            and not self.schedule.asynchronous and bool(metas)
+            and not self.schedule.asynchronous and count > 0
             and not self.schedule.local(action.stage, _peer(action))
         )
 
@@ -474,12 +475,14 @@ class Executor:
         where it announces them, which are there (see the module docstring). A stage of this
         rank learns that directly."""
         present = tuple(g is not None for g in grads)
-        metas = self._in_meta[send.stage].grad_metas
-        device = self.transport.device
-        tensors = [
-            g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
-            for g, m in zip(grads, metas, strict=True)
-        ]
+        tensors = [g for g in grads if g is not None]
+        if not all(present):  # (never on asynchronous schedules: their stages send zeros)
+            metas = self._in_meta[send.stage].grad_metas
+            device = self.transport.device
+            tensors = [
+                g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
+                for g, m in zip(grads, metas, strict=True)
+            ]
         if self.schedule.asynchronous:
             return [(send, tensors, False)]
         first = self._sent_present.setdefault(send.stage, present)
@@ -494,7 +497,7 @@ class Executor:
         if self.schedule.local(send.stage, _peer(send)):
             self._present[_peer(send)] = present
             return [(send, tensors, False)]
-        if not self._announces(send, metas):
+        if not self._announces(send, len(grads)):
             return [(send, tensors, False)]
         mask = torch.tensor(present, dtype=torch.int64, device=self.transport.device)
         return [(send, [mask], True), (send, tensors, False)]
