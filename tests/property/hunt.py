@@ -1,15 +1,23 @@
-"""Hunt each known kind of wrong training with the generator and print its smallest case.
+"""Hunt each known kind of wrong training with the generator and print its smallest case; or
+count what a sample of cases exercises and how each fared.
 
-``python -m tests.property.hunt`` runs, per hunt, hypothesis' ``find`` over a narrowed part of
-the model space (derandomized: the same cases every run) for a case whose outcome is of the
-hunted kind, shrinks it, and prints it with the difference from plain training it shows. This
+``python -m tests.property.hunt [WORDS]`` runs, per hunt (those whose names hold one of the
+WORDS, or all), hypothesis' ``find`` over a narrowed part of the model space (derandomized: the
+same cases every run) for a case whose outcome is of the hunted kind, shrinks it, and prints it
+with the difference from plain training it shows. This
 is how docs/property-tests.md's table of what the generator found was made; the cases found
 are kept as tests in test_regressions.py.
+
+``python -m tests.property.hunt --census N`` trains the cases ``RandomChooser(0..N-1)`` draw
+and prints, per feature, how many cases exercised it and how many of those failed, by kind of
+failure (the first words of the outcome).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +29,9 @@ from hypothesis.errors import NoSuchExample
 from tests.property.model_space import (
     SCHEDULES,
     Case,
+    RandomChooser,
     draw_case,
+    features,
     largest_difference,
     train_pipeline,
     train_reference,
@@ -93,8 +103,43 @@ def hunt(h: Hunt, examples: int = 2000) -> tuple[Case, str] | None:
     return case, said
 
 
+KINDS = {  # a phrase of the outcome -> the kind of failure it shows
+    "missing": "a layer's parameters missing",
+    "differs": "wrong parameters",
+    "arrived before": "'gradients arrived before' error",
+    "leaf Variable": "in-place on a leaf error",
+    "modified by an inplace": "in-place version error",
+}
+
+
+def kind_of(said: str) -> str:
+    return next((kind for phrase, kind in KINDS.items() if phrase in said), said[:60])
+
+
+def census(count: int) -> None:
+    """Per feature: cases, failures, and the commonest kinds of failure among them."""
+    cases: Counter[str] = Counter()
+    failed: dict[str, Counter[str]] = defaultdict(Counter)
+    for seed in range(count):
+        case = draw_case(RandomChooser(seed))
+        said = outcome(case)
+        for feature in features(case):
+            cases[feature] += 1
+            if said is not None:
+                failed[feature][kind_of(said)] += 1
+    print(f"| feature | cases of {count} | failed | failures by kind |\n|---|---|---|---|")
+    for feature, n in sorted(cases.items()):
+        kinds = failed[feature]
+        said = ", ".join(f"{k} {c}" for k, c in kinds.most_common())
+        print(f"| {feature} | {n} | {sum(kinds.values())} | {said} |")
+
+
 def main(names: Sequence[str]) -> None:
     torch.set_num_threads(1)
+    logging.disable(logging.CRITICAL)  # a failing stage logs its traceback; outcome() says it
+    if names[:1] == ["--census"]:
+        census(int(names[1]))
+        return
     for h in HUNTS:
         if names and not any(n in h.name for n in names):
             continue
