@@ -75,8 +75,10 @@ HUNTS = [
          lambda o: o.startswith("differs"), frozenset({"again", "relu_"})),
     Hunt("a stage beginning with an in-place op fails",
          lambda o: "leaf Variable" in o, frozenset({"again", "detach"})),
-    Hunt("an in-place first layer fails at 2+ micro-batches",
+    Hunt("an in-place first layer fails (recomputed, or at 2+ micro-batches)",
          lambda o: "modified by an inplace" in o, frozenset({"again", "detach"})),
+    Hunt("a stage whose input needs no gradient fails the stage before (after fix-runtime)",
+         lambda o: "arrived before" in o),
 ]
 
 
