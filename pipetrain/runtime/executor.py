@@ -80,6 +80,8 @@ class Carry:
     headers: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per stage, the header encoding ``shapes_out`` (sent again while they stay the same:
     only its reader touches it)."""
+    presence: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    """The headers saying which gradients a message holds, per pattern (sent again)."""
     in_flight: dict[tuple[int, int], BoundaryMeta] = field(default_factory=dict)
     """Asynchronous schedules: (stage, global micro-batch) -> the shapes its forward sent, for
     the receive of the gradient that comes back in a later call."""
@@ -451,7 +453,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if not stage.is_last:
             grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
-            if not self.schedule.asynchronous:
+            if grads and not self.schedule.asynchronous:
                 present = self._present.get(action.stage)
                 if present is None:
                     raise PipelineError(
@@ -499,7 +501,10 @@ class Executor:
             return [(send, tensors, False)]
         if not self._announces(send, len(grads)):
             return [(send, tensors, False)]
-        mask = torch.tensor(present, dtype=torch.int64, device=self.transport.device)
+        mask = self.carry.presence.get(present)
+        if mask is None:
+            mask = torch.tensor(present, dtype=torch.int64, device=self.transport.device)
+            self.carry.presence[present] = mask
         return [(send, [mask], True), (send, tensors, False)]
 
     def _do_weight(self, action: Action) -> None:

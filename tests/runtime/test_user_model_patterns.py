@@ -187,6 +187,8 @@ CASES = {
     ),
     # stages 1 (of 2) and 2 (of 4) begin with Detach: earlier weights get no gradient at all
     "detached_stage_input": Case(_detached, {2: [2, 3], 4: [1, 1, 2, 1]}, (6,), adamw),
+    # ... and end with it: nothing that crosses the boundary needs a gradient
+    "detached_stage_output": Case(_detached, {2: [3, 2], 4: [1, 2, 1, 1]}, (6,), adamw),
     # stages that begin with an in-place op
     "inplace_stage_start": Case(_inplace_start, {2: [1, 4], 4: [1, 2, 1, 1]}, (6,)),
     "cnn_cut_before_relu": Case(_cnn_cut_before_relu, {2: [1, 5], 4: [1, 2, 1, 2]}, (2, 4, 4)),
@@ -257,8 +259,35 @@ def test_one_rank_holding_every_stage(name):
     assert_like_one_process(case, [{"state": pipe.module.state_dict(), "losses": losses}])
 
 
+class DetachEveryOther(nn.Module):
+    """Detaches at every second call: micro-batches differ in what they backpropagate to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.detach() if self.calls % 2 == 0 else x
+
+
+def test_micro_batches_that_differ_in_their_gradients_are_refused():
+    """The header of which gradients a message holds comes with micro-batch 0's: a later
+    micro-batch with other ones is a clear error, not a silent zero or a hang."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), DetachEveryOther(), nn.Linear(6, 5))
+    pipe = pipetrain.Pipeline(
+        model, [1, 2], chunks=2, schedule="1f1b", loss_fn=nn.functional.cross_entropy,
+        optimizer=sgd, devices=["cpu", "cpu"], timeout=20,
+    )
+    x, y = CASES["detached_stage_input"].data()[0]
+    with pytest.raises(pipetrain.StageError, match="must backpropagate to the same stage"):
+        pipe.train_step(x, y)
+
+
 PROCESS_SAMPLE = [("linear_twice", "zb-h1"), ("inplace_on_flatten", "1f1b"),
                   ("detached_stage_input", "1f1b"), ("detached_stage_input", "zb-h2"),
+                  ("detached_stage_output", "gpipe"),
                   ("inplace_stage_start", "gpipe"), ("block_four_times", "interleaved")]
 
 
