@@ -59,7 +59,7 @@ from tests.runtime.harness import run_ranks, values
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-5
-FAST_EXAMPLES = 150
+FAST_EXAMPLES = 300
 LONG_EXAMPLES = 3000
 PROCESS_SAMPLE = 6
 LONG_PROCESS_SAMPLE = 60
@@ -175,9 +175,18 @@ def _train_all(rank: int, world: int, sample: list[Case]) -> list[dict[str, Any]
     return results
 
 
+def train_in_processes(sample: list[Case]) -> list[list[dict[str, Any]]]:
+    """Each rank's results of :func:`_train_all` over ``sample`` in 2 gloo processes; fails
+    naming the rank that raised or died (which ends the run for the other too)."""
+    results = run_ranks(_train_all, 2, sample, deadline=60 + 10 * len(sample))
+    died = [f"rank {r} died (exit code {v})" for r, (s, v) in enumerate(results) if s == "died"]
+    assert not died, f"{died}; the cases were {sample}"
+    return values(results)
+
+
 def check_processes(count: int) -> None:
     sample = process_sample(count)
-    per_rank = values(run_ranks(_train_all, 2, [c for c, _ in sample], deadline=60 + 10 * count))
+    per_rank = train_in_processes([c for c, _ in sample])
     for k, (case, expected) in enumerate(sample):
         results = [r[k] for r in per_rank]
         errors = [r["error"] for r in results if "error" in r]
