@@ -25,10 +25,10 @@ too: when they changed, it first sends a stand-in of the old shapes to fill that
 A gradient may be absent: a stage whose input got no gradient (a detached path) sends none,
 so that the stages before it leave ``.grad`` None and an optimizer skips their weights, as
 in plain training. The receiver has posted its receive already, so the message keeps its
-tensors (zeros stand in) and micro-batch 0's gradient of each call (of a synchronous
-schedule) comes with a second header saying which gradients are there; every micro-batch of
-the call must have the same ones. Asynchronous schedules send every gradient (zeros where
-none flows).
+tensors (zeros stand in), and in each call of a synchronous schedule the gradients of the
+sending stage's first backward come with a second header saying which are there, which the
+receiver waits for at its first gradient receive; every micro-batch of the call must have
+the same ones. Asynchronous schedules send every gradient (zeros where none flows).
 """
 
 from __future__ import annotations
@@ -152,6 +152,17 @@ class Executor:
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
         self._early = self._early_gradients() if training else {}
+        # the header of which gradients are there: sent with each stage's first backward,
+        # waited for at each stage's first gradient receive (see the module docstring)
+        self._first_backward: dict[int, int] = {}
+        for ops in schedule.actions.values():
+            for a in ops:
+                if a.kind is Kind.BACKWARD:
+                    self._first_backward.setdefault(a.stage, a.microbatch)
+        self._first_recv_grad: dict[int, Action] = {}
+        for a in self.actions:
+            if a.kind is Kind.RECV_GRAD:
+                self._first_recv_grad.setdefault(a.stage, a)
         self._owed: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> W's key, see _do_send
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
@@ -311,9 +322,10 @@ class Executor:
             try:
                 self._posted[action] = self.transport.recv(metas, peer, number)
                 if self._announces(action, len(metas)):
+                    first = Action(action.kind, action.stage, self._first_backward[_peer(action)])
                     self._presence_posted[action] = self.transport.recv(
                         (TensorMeta((len(metas),), torch.int64, False),), peer,
-                        self._tag(action, header=True),
+                        self._tag(first, header=True),
                     )
                 if last is not None:
                     self._guessed[action] = self.transport.recv(
@@ -324,12 +336,16 @@ class Executor:
             self._next_recv += 1
 
     def _announces(self, action: Action, count: int) -> bool:
-        """Whether the ``count`` gradients of ``action`` (a send or receive) come with the
-        header saying which are there: micro-batch 0's of a synchronous schedule, between
-        ranks."""
+        """Whether ``action`` (a send or receive of ``count`` gradients) sends or waits for
+        the header saying which are there (see the module docstring): on a synchronous
+        schedule, between ranks, the sender's first backward and the receiver's first
+        gradient receive."""
+        if action.kind is Kind.SEND_GRAD:
+            first = action.microbatch == self._first_backward.get(action.stage)
+        else:
+            first = action == self._first_recv_grad.get(action.stage)
         return (
-            action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD) and action.microbatch == 0
-            and not self.schedule.asynchronous and count > 0
+            first and count > 0 and not self.schedule.asynchronous
             and not self.schedule.local(action.stage, _peer(action))
         )
 
@@ -457,9 +473,8 @@ class Executor:
                 present = self._present.get(action.stage)
                 if present is None:
                     raise PipelineError(
-                        f"{self._where()}: micro-batch {i}'s gradients arrived before "
-                        "micro-batch 0's, which say which gradients are there; the schedule "
-                        "is out of order"
+                        f"{self._where()}: micro-batch {i}'s gradients arrived before the "
+                        "header saying which are there; the schedule is out of order"
                     )
                 grads = [g if there else None for g, there in zip(grads, present, strict=True)]
         input_grads = stage.backward(self.base + i, grads, self.loss_scale)

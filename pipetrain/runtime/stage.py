@@ -68,8 +68,8 @@ class _Stashed:
 
 def _tensors(value: object) -> list[torch.Tensor]:
     """The tensors of a stage's input: a tensor, or a tuple or list of them."""
-    members = value if type(value) in (tuple, list) else (value,)
-    return [t for t in members if isinstance(t, torch.Tensor)]  # type: ignore[attr-defined]
+    members = value if isinstance(value, tuple | list) else (value,)
+    return [t for t in members if isinstance(t, torch.Tensor)]
 
 
 def _own_version(tensor: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ def _even(layers: int, stages: int) -> list[int]:
     return [layers // stages + (s < layers % stages) for s in range(stages)]
 
 
-# branchy's in-place ReLU (layer 6) never starts a stage: it would modify the stage's input,
-# a leaf (as it would a model's input in plain training)
+# branchy's in-place ReLU (layer 6) never starts a stage here: it modifies a weighted layer's
+# output inside a stage (stages that begin with one: test_user_model_patterns.py)
 PATHS_BALANCES = {2: [5, 5], 4: [3, 2, 3, 2], 8: [1, 1, 1, 1, 1, 2, 2, 1]}
 # case -> (model for a number of stages, balance, data, loss function)
 CASES: dict[str, tuple[Callable[[int], nn.Sequential], Callable[[int], list[int]],

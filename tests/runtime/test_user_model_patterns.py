@@ -32,6 +32,8 @@ from pipetrain.observe.profiler import profile
 from pipetrain.tools.planning import layer_signature, load_plan
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import reference, sgd
+from tests.runtime.test_schedule_registry import NAME as LIFO
+from tests.runtime.test_schedule_registry import registered
 
 TOLERANCE = 1e-5
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
@@ -257,6 +259,15 @@ def test_one_rank_holding_every_stage(name):
     )
     losses = [pipe.train_step(x, y) for x, y in case.data()]
     assert_like_one_process(case, [{"state": pipe.module.state_dict(), "losses": losses}])
+
+
+@pytest.mark.parametrize("name", ["detached_stage_input", "inplace_on_flatten"])
+def test_a_schedule_that_backpropagates_the_last_micro_batch_first(name):
+    """The header of which gradients are there comes with the sending stage's first
+    backward, whichever micro-batch that is (here the last: gpipe-lifo)."""
+    with registered():
+        result = _train(CASES[name], LIFO, None, chunks=4)
+    assert_like_one_process(CASES[name], [result])
 
 
 class DetachEveryOther(nn.Module):
