@@ -177,10 +177,14 @@ def _train_all(rank: int, world: int, sample: list[Case]) -> list[dict[str, Any]
 
 def train_in_processes(sample: list[Case]) -> list[list[dict[str, Any]]]:
     """Each rank's results of :func:`_train_all` over ``sample`` in 2 gloo processes; fails
-    naming the rank that raised or died (which ends the run for the other too)."""
+    naming the rank that raised or died (which ends the run for the other too) and, where one
+    died, the first case that kills a rank when trained alone."""
     results = run_ranks(_train_all, 2, sample, deadline=60 + 10 * len(sample))
     died = [f"rank {r} died (exit code {v})" for r, (s, v) in enumerate(results) if s == "died"]
-    assert not died, f"{died}; the cases were {sample}"
+    if died and len(sample) > 1:  # which case killed it: each alone until one dies again
+        for case in sample:
+            train_in_processes([case])
+    assert not died, f"{died} training {sample}"
     return values(results)
 
 
