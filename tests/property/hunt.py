@@ -47,7 +47,7 @@ def outcome(case: Case) -> str | None:
     except RuntimeError:
         return None
     try:
-        worst, where = largest_difference(case, [train_pipeline(case, timeout=20)], expected)
+        worst, where = largest_difference([train_pipeline(case, timeout=20)], expected)
     except Exception as error:  # the pipeline failed where plain training did not
         return f"error: {type(error).__name__}: {error}".splitlines()[0]
     if worst <= TOLERANCE:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from schedules.registry import RECOMPUTE_MODES, lookup, names
+from tests.runtime.models import Branch, Halves, Keep, Merge, SharedAffine
 
 T = TypeVar("T")
 
@@ -71,47 +72,6 @@ class RandomChooser:
 # -- layers -------------------------------------------------------------------------------------
 
 
-class Merge(nn.Module):
-    """Adds a pair back into one tensor."""
-
-    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return pair[0] + pair[1]
-
-
-class Branch(nn.Module):
-    """``(tanh(h), h)`` with ``h = Linear(x)``: a tensor and a function of it."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.linear(x)
-        return torch.tanh(h), h
-
-
-class Keep(nn.Module):
-    """A layer with weights that returns its own input too: ``(x, Linear(x))``."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, self.linear(x)
-
-
-class Halves(nn.Module):
-    """A layer with weights returning two views of one output: ``Linear(x)`` cut in halves."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.linear = nn.Linear(width, 2 * width)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(x).chunk(2, dim=-1)
-
-
 class Residual(nn.Module):
     """``x + relu(Linear(x))``."""
 
@@ -121,17 +81,6 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.relu(self.linear(x))
-
-
-class Affine(nn.Module):
-    """``x * scale + shift`` with Parameters that every Affine of the model shares."""
-
-    def __init__(self, scale: nn.Parameter, shift: nn.Parameter):
-        super().__init__()
-        self.scale, self.shift = scale, shift
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale + self.shift
 
 
 class Detach(nn.Module):
@@ -160,10 +109,6 @@ class Transpose(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
-
-
-class Embedding(nn.Embedding):
-    """Token ids (batch, LENGTH) to vectors (batch, LENGTH, LENGTH)."""
 
 
 # -- tokens -------------------------------------------------------------------------------------
@@ -198,10 +143,8 @@ class _Built:
     embedding: nn.Embedding | None = None
 
 
-def _accepts(token: str, shape: Shape, pair: bool, built_tokens: Sequence[str]) -> bool:
+def _accepts(token: str, shape: Shape, pair: bool) -> bool:
     """Whether ``token`` can follow data of ``shape`` (a pair of them if ``pair``)."""
-    if token.startswith("again:"):
-        return False  # offered separately, see reusable()
     need = NEEDS[token]
     if pair:
         return need == "pair"
@@ -242,7 +185,7 @@ def _make(token: str, shape: Shape, built: _Built) -> tuple[nn.Module, Shape, bo
         if d not in built.shared:
             built.shared[d] = (nn.Parameter(1 + 0.1 * torch.randn(d)),
                                nn.Parameter(0.1 * torch.randn(d)))
-        return Affine(*built.shared[d]), shape, False
+        return SharedAffine(*built.shared[d]), shape, False
     simple: dict[str, Callable[[], nn.Module]] = {
         "dropout": lambda: nn.Dropout(0.3), "relu_": lambda: nn.ReLU(inplace=True),
         "gelu": nn.GELU, "identity": nn.Identity, "detach": Detach, "merge": Merge,
@@ -284,7 +227,7 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Sequential:
     shape, pair = spec.input_shape, False
     for token in spec.tokens:
         if token == "embedding":
-            layer: nn.Module = Embedding(VOCAB, LENGTH)
+            layer: nn.Module = nn.Embedding(VOCAB, LENGTH)  # ids (LENGTH,) -> (LENGTH, LENGTH)
             built.embedding = layer  # type: ignore[assignment]
             out: Shape = (LENGTH, LENGTH)
         elif token == "head":
@@ -337,7 +280,7 @@ def draw_model(choose: Chooser, most: int = 8, leave_out: frozenset[str] = froze
     for _ in range(choose.integer(1, most)):
         again = [f"again:{i}" for i, given, _ in reusable
                  if given == shape and not pair and "again" not in leave_out]
-        options = [t for t in BODY if _accepts(t, shape, pair, tokens) and t not in leave_out]
+        options = [t for t in BODY if _accepts(t, shape, pair) and t not in leave_out]
         options += [t for t in options if t in LIKELIER]
         if tokens and tokens[-1] in VIEWS and "relu_" in options and choose.integer(0, 2) == 2:
             options = ["relu_"]  # an in-place op on a view: one time in three after a view
@@ -512,7 +455,7 @@ def is_statistic(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
 
 
-def largest_difference(case: Case, per_rank: Sequence[dict[str, Any]],
+def largest_difference(per_rank: Sequence[dict[str, Any]],
                        expected: dict[str, Any]) -> tuple[float, str]:
     """The largest absolute difference of any parameter or loss from plain training, and
     where; every parameter key must be held by some rank."""

@@ -96,7 +96,7 @@ def reference_or_reject(case: Case) -> dict[str, Any]:
 
 def assert_trains_like_one_process(case: Case, per_rank: list[dict[str, Any]],
                                    expected: dict[str, Any]) -> None:
-    worst, where = largest_difference(case, per_rank, expected)
+    worst, where = largest_difference(per_rank, expected)
     assert worst <= TOLERANCE, f"{where} differs from plain training by {worst:.3g} in {case}"
 
 

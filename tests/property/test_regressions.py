@@ -30,7 +30,7 @@ def case(tokens: tuple[str, ...], balance: tuple[int, ...], schedule: str, *, ch
 
 def assert_trains_like_one_process(found: Case) -> None:
     expected = train_reference(found)  # plain training accepts every case here
-    worst, where = largest_difference(found, [train_pipeline(found)], expected)
+    worst, where = largest_difference([train_pipeline(found)], expected)
     assert worst <= TOLERANCE, f"{where} differs from plain training by {worst:.3g}"
 
 
@@ -122,5 +122,5 @@ def test_two_weights_tied_across_two_ranks_under_interleaved():
     expected = train_reference(found)
     per_rank = train_in_processes([found])
     assert all("error" not in r[0] for r in per_rank), [r[0].get("error") for r in per_rank]
-    worst, where = largest_difference(found, [r[0] for r in per_rank], expected)
+    worst, where = largest_difference([r[0] for r in per_rank], expected)
     assert worst <= TOLERANCE, f"{where} differs from plain training by {worst:.3g}"
