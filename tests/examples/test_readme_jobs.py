@@ -38,7 +38,7 @@ def environment(**extra: str) -> dict[str, str]:
 def test_the_multi_node_block_trains_two_replicas_of_a_two_stage_pipeline(tmp_path):
     """The block as written, with the variables it names set: NODE, HEAD, SHARED and STEPS (4
     steps of the default GPT keep it short)."""
-    block = readme_block("--nnodes=2")
+    block = readme_block("--nnodes=2 --node_rank=$NODE --nproc_per_node=2")
     folder, shared = user_folder(tmp_path / "work"), tmp_path / "shared"
     head = f"127.0.0.1:{free_port()}"
     agents = [

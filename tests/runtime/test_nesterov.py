@@ -181,8 +181,8 @@ def test_resume_without_the_optimizer_state_differs(tmp_path, monkeypatch):
     resumes to other weights."""
     saved = checkpointing._optimizer_state
 
-    def without_state(stage):
-        return {**saved(stage), "state": {}}
+    def without_state(stage, *state):
+        return {**saved(stage, *state), "state": {}}
 
     monkeypatch.setattr(checkpointing, "_optimizer_state", without_state)
     straight, again = resumed_run(tmp_path, tokens(4))
