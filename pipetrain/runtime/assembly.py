@@ -112,12 +112,13 @@ def assemble(
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
     group = world.replica_group()  # None: one replica, nothing to shard over
     zero = config.zero if group is not None else 0
-    reason = refusal(zero, schedule, bool(ties), bool(config.cuda_graphs))
+    reason = refusal(zero, schedule, bool(config.cuda_graphs))
     if reason is not None:
         raise ValueError(reason)
     devices = {s: world.device(schedule.rank_of(s)) for s in here}
     # a meta model that FSDP2 shards comes up a layer at a time, each sharded before the next
-    by_layer = zero >= 2 and is_meta(model)
+    # (with weights tied across stages, a stage at a time: their all-reduce binds them first)
+    by_layer = zero >= 2 and is_meta(model) and not ties
     # the gradient all-reduces bind their buffers on the device: the layers go there first
     made = {} if by_layer else source.bring_up(model, parts, devices)
     ties = [(cast(nn.Parameter, made.get(id(p), p)), stages) for p, stages in ties]
@@ -126,7 +127,12 @@ def assemble(
     rank_ties = [(p, tuple(sorted({schedule.rank_of(s) for s in stages}))) for p, stages in ties]
     owned = {s: [p for p in parts[s][1].parameters()
                  if p.requires_grad and owner.get(id(p), s) == s] for s in here}
-    shared = {} if zero >= 2 else world.gradient_syncs(owned, rank_ties, _joint(ties, schedule))
+    tied = {id(p) for p, _ in ties}
+    # at zero 2 and 3 only the tied weights are all-reduced here (whole: sharding.py)
+    reduced = owned if zero < 2 else {
+        s: [p for p in params if id(p) in tied] for s, params in owned.items()
+    }
+    shared = world.gradient_syncs(reduced, rank_ties, _joint(ties, schedule))
     if zero == 1 and group is not None and config.optimizer is not None:
         config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
@@ -136,8 +142,9 @@ def assemble(
             offset, layers = parts[s][0], StageModule.of(parts[s][1])
             parts[s] = (offset, layers)
             bring_up = partial(_bring_up_layer, source, model, offset, devices[s])
-            syncs = [ShardedGradients(layers, group, zero, devices[s],
-                                      bring_up if by_layer else None)]
+            whole = [p for p in layers.parameters() if id(p) in tied]
+            syncs = [*shared[s], ShardedGradients(layers, group, zero, devices[s],
+                                                  bring_up if by_layer else None, whole)]
         else:
             syncs = shared[s]
         built.append(_build_stage(

@@ -22,12 +22,18 @@ from its first backward to its last; the sharded gradients are what stays betwee
 DTensors: update.py reads their local shards for the global norm (each shard counted once),
 clips them in place, and the optimizer steps the shards. Checkpoints hold whole tensors
 (:class:`Checkpointing`).
+
+A weight tied across stages (an embedding and the head reading it) stays out of the shards at
+zero 2 and 3: each copy is whole on every replica, as at zero 0, and its gradient is
+all-reduced over the tie's ranks in every replica (data_parallel.GradientSync, summed over the
+tied stages, averaged over the replicas), so the copies stay identical. Only the tied weights
+are held whole; the rest of the stage is sharded as above.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -55,21 +61,14 @@ def check_level(zero: object) -> int:
     return int(zero)
 
 
-def refusal(zero: int, schedule: Schedule, ties: bool, cuda_graphs: bool) -> str | None:
-    """Why this pipeline cannot shard at level ``zero`` yet (None: it can). ``ties``: weights
-    are tied across stages."""
+def refusal(zero: int, schedule: Schedule, cuda_graphs: bool) -> str | None:
+    """Why this pipeline cannot shard at level ``zero`` yet (None: it can)."""
     if zero == 0:
         return None
     if schedule.asynchronous:
         return (
             f"zero={zero} with schedule {schedule.name!r} is not supported: the asynchronous "
             "schedules run without data-parallel replicas; use a synchronous schedule"
-        )
-    if ties and zero >= 2:
-        return (
-            f"zero={zero} with weights tied across stages is not supported yet: their gradient "
-            "is summed over the tied stages' ranks, which FSDP2's shards do not follow; untie "
-            "them, or pass zero=1 (optimizer state only)"
         )
     if zero >= 2 and schedule.splits_backward:
         return (
@@ -117,21 +116,26 @@ class ShardedGradients:
     """FSDP2 on one stage's layers (zero 2 or 3), with data_parallel.GradientSync's two calls:
     ``arm`` before the stage's last backward of the mini-batch (reduce-scatter its gradients
     there; at zero 2 also free the gathered weights after it), ``finish`` before the step.
+    ``whole``: weights tied across stages, left out of the shards (module docstring).
     ``bring_up(i)`` gives a meta model's layer i its values just before it is sharded, so a
     rank holds one whole layer at a time besides its shards."""
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
         bring_up: Callable[[int], object] | None = None,
+        whole: Collection[nn.Parameter] = (),
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         self.keep_gathered = zero == 2
+        kept = set(whole)  # weights tied across stages: whole on every replica (tied_syncs)
         for index, layer in enumerate(module.children()):
             if bring_up is not None:
                 bring_up(index)
-            if any(p.requires_grad for p in layer.parameters()):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3)
-        fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+            if any(p.requires_grad and p not in kept for p in layer.parameters()):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3,
+                            ignored_params=kept or None)
+        fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3,
+                    ignored_params=kept or None)
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._accumulate()
 

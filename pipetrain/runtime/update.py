@@ -216,23 +216,24 @@ class Update:
     def _agreement(self) -> torch.Tensor:
         """The agreement vector (module docstring, 2), summed over every rank."""
         entries = [self._zero] * (self.count + 1)
-        copies = [float(self.replicas)] * (self.count + 1)  # the replicas adding each entry
         for stage, params in zip(self.stages, self._counted, strict=True):
             grads = [p.grad for p in params if p.grad is not None]
-            if grads:  # fp32 norms of every gradient, as clip_grad_norm_ computes them
-                norms = torch.stack(
-                    torch._foreach_norm([local(g) for g in grads], 2.0, dtype=torch.float32)
+            for shards in (False, True):  # whole gradients, then shards (ZeRO 2, 3)
+                part = [local(g) for g in grads if sharded(g) == shards]
+                if not part:
+                    continue
+                # fp32 norms of every gradient, as clip_grad_norm_ computes them
+                norms = torch.stack(torch._foreach_norm(part, 2.0, dtype=torch.float32))
+                square = torch.dot(norms, norms).to(self.device).double()
+                # each replica adds 1/replicas of a whole gradient, its own shard's whole
+                entries[stage.index] = entries[stage.index] + square / (
+                    1 if shards else self.replicas
                 )
-                entries[stage.index] = torch.dot(norms, norms).to(self.device)
-                if sharded(grads[0]):  # each replica adds its own shard's (ZeRO 2, 3)
-                    copies[stage.index] = 1.0
             if stage.is_last and stage.losses:
                 losses = torch.stack(list(stage.losses.values()))
-                entries[self.count] = losses.mean(dtype=torch.float64).to(self.device)
-        vector = torch.stack(entries).double()
-        if self.replicas > 1:
-            vector /= torch.tensor(copies, dtype=torch.float64, device=self.device)
-        return self.reduce(vector)
+                mean = losses.mean(dtype=torch.float64).to(self.device)
+                entries[self.count] = mean / self.replicas
+        return self.reduce(torch.stack(entries).double())
 
 
 def _finite(value: float) -> bool:
