@@ -73,9 +73,10 @@ def refusal(zero: int, schedule: Schedule, cuda_graphs: bool) -> str | None:
     if zero >= 2 and schedule.splits_backward:
         return (
             f"zero={zero} with schedule {schedule.name!r} is not supported yet: its split "
-            "backward computes weight gradients apart from the input gradients, and FSDP2 "
-            "reduces a layer's gradient when its backward finishes; use zero=1 or a schedule "
-            "without W (1f1b, gpipe, interleaved-1f1b)"
+            "backward computes weight gradients (W) in a second pass after the input "
+            "gradients (B), and FSDP2 gathers a layer's weights for one backward pass and "
+            "reduce-scatters when it ends, so W would reach neither (docs/zero.md); use "
+            "zero=1 or a schedule without W (1f1b, gpipe, interleaved-1f1b)"
         )
     if zero >= 2 and cuda_graphs:
         return (
