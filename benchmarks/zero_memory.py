@@ -5,7 +5,7 @@ resident growth of one training step, for 2 stages x 2 and x 4 replicas.
     PYTHONPATH=. python benchmarks/zero_memory.py --dim 64 --blocks 2 --replicas 2   # quick
 
 Fresh gloo processes for every row (2 x replicas of them, one thread each) build the example
-GPT (examples.models.gpt, untied head: ZeRO 2 and 3 refuse weights tied across stages) on the
+GPT (examples.models.gpt, untied head: at ZeRO 2 and 3 a tied one stays whole) on the
 meta device, each rank materializing its own stage (``init_seed``; at zero 2 and 3 one layer at
 a time, each sharded before the next), split evenly in 2 stages, and train it with AdamW, 1F1B
 and 4 micro-batches. The build's growth is the peak resident set while ``Pipeline`` is
