@@ -291,7 +291,7 @@ def _refusals(rank: int, world: int) -> list[str]:
 def _tied(rank: int, world: int) -> dict[int | str, dict]:
     """A weight tied across the two stages (embedding and head), zero 0 to 3, 3 steps: the
     whole parameters, the gradient norms, and whether the tied copy stayed whole here; and
-    zero 0 and 3 on a model built on the meta device."""
+    zero 0 and 3 on a model built on the meta device, and under interleaved stages."""
     out: dict[int | str, dict] = {}
     for zero in (0, 1, 2, 3):
         pipe = pipetrain.Pipeline(
@@ -308,16 +308,22 @@ def _tied(rank: int, world: int) -> dict[int | str, dict]:
         out[zero] = {"state": _whole(state), "norms": norms,
                      "tied whole": not isinstance(tied, DTensor),
                      "sharded": any(isinstance(v, DTensor) for v in state.values())}
-    for zero in (0, 3):  # built on the meta device, each rank making its stage (init_seed)
-        with torch.device("meta"):
-            model = tied_model()
-        pipe = pipetrain.Pipeline(
-            model, [3, 3], chunks=2, replicas=2, zero=zero, init_seed=3,
-            loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
-            clip_grad_norm=CLIP, timeout=60,
-        )
-        _steps(pipe, token_batches(STEPS))
-        out[f"meta {zero}"] = _whole(pipe.module.state_dict())
+    variants = {  # built on the meta device, each rank making its stage (init_seed); and
+        # interleaved: the embedding on stage 0 (rank 0), the head on stage 3 (rank 1)
+        "meta": ([3, 3], dict(init_seed=3)),
+        "interleaved": ([1, 2, 2, 1], dict(schedule="interleaved", chunks=4)),
+    }
+    for name, (balance, options) in variants.items():
+        for zero in (0, 3):
+            with torch.device("meta") if name == "meta" else contextlib.nullcontext():
+                model = tied_model()
+            pipe = pipetrain.Pipeline(
+                model, balance, **{"chunks": 2, **options}, replicas=2, zero=zero,
+                loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
+                clip_grad_norm=CLIP, timeout=60,
+            )
+            _steps(pipe, token_batches(STEPS))
+            out[f"{name} {zero}"] = _whole(pipe.module.state_dict())
     return out
 
 
@@ -338,7 +344,8 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
     """The embedding (stage 0) and the head (stage 1) share a weight: at zero 2 and 3 each
     copy stays whole on its replicas, its gradient summed over both stages' ranks of both
     replicas, while the rest of each stage is sharded; both copies equal zero 0's (1e-6) and
-    single-process training's (1e-5). Built on the meta device, zero 3 equals zero 0 too."""
+    single-process training's (1e-5). Built on the meta device, and under interleaved stages,
+    zero 3 equals zero 0 too."""
     expected = _tied_single_process()
     results = values(run_ranks(_tied, 4, deadline=400))
     for got in results:
@@ -351,8 +358,11 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
                 assert (value - expected[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
         for zero in (2, 3):
             assert got[zero]["tied whole"] and got[zero]["sharded"]
-        for key, value in got["meta 3"].items():
-            assert (value - got["meta 0"][key]).abs().max().item() <= AGAINST_ZERO, key
+        for name in ("meta", "interleaved"):
+            for key, value in got[f"{name} 3"].items():
+                assert (value - got[f"{name} 0"][key]).abs().max().item() <= AGAINST_ZERO, key
+        for key, value in got["interleaved 0"].items():  # another split, the same training
+            assert (value - expected[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
     stage_0 = [got for got in results if "0.weight" in got[0]["state"]]
     stage_1 = [got for got in results if "5.weight" in got[0]["state"]]
     for a, b in zip(stage_0, stage_1, strict=True):  # the two copies are one weight
