@@ -6,8 +6,8 @@ one run, with the bytes each level sends per rank and step.
 
 Four gloo processes (one thread each) build one pipeline per level of the example GPT
 (examples.models.gpt: dim 128, 4 blocks, context 128, as train_gpt.py's default but with an
-untied head: at ZeRO 2 and 3 a tied one stays whole, with an all-reduce of its own), split [3,
-3], 1F1B, 4 micro-batches of 4 x 128 tokens per replica, AdamW, clip 1.0. Variants alternate in
+untied head: at ZeRO 2 and 3 a tied one stays whole, with an all-reduce of its own), split
+[3, 3], 1F1B, 4 micro-batches of 4 x 128 tokens per replica, AdamW, clip 1.0. Variants alternate in
 rounds (the order rotating), each timed for a few steps after a barrier; a step's time is the
 slowest rank's; the table gives medians. "sent per rank" is what the replica collectives carry
 for one stage of P parameter bytes at r replicas and m micro-batches, by ring algorithms (each
