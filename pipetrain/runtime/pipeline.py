@@ -65,6 +65,10 @@ class Pipeline:
     split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives the model
     built eagerly; or each stage reads its own tensors from ``weights``.
 
+    The keyword options, each declared once in pipetrain/runtime/options.py, come in groups:
+    split, training, the step, asynchronous schedules, placement, layer values, saving,
+    execution, observation.
+
     Args:
         model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
             Built on the meta device, it needs ``init_seed`` or ``weights``.

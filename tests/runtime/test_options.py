@@ -55,6 +55,22 @@ def test_the_signature_is_the_table():
         assert parameter.annotation == option.type, option.name  # a string: postponed
 
 
+def test_each_group_is_one_run_of_options():
+    """Options a user thinks of together (precision and clipping, the checkpoint folder and
+    its period, the asynchronous schedules' weight options) sit side by side in the
+    signature and in help()."""
+    groups = [o.group for o in OPTIONS]
+    runs = [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g]
+    assert len(runs) == len(set(runs)), runs
+    said = re.search(r"come in groups:\s+([^.]*)\.", pipetrain.Pipeline.__doc__)
+    assert said is not None and re.split(r",\s+", said.group(1)) == runs
+    by_name = {o.name: o.group for o in OPTIONS}
+    for together in (("precision", "clip_grad_norm", "nonfinite"),
+                     ("checkpoint_dir", "checkpoint_every"),
+                     ("weight_stashing", "weight_prediction", "delay_compensation")):
+        assert len({by_name[name] for name in together}) == 1, together
+
+
 def test_the_args_section_is_the_tables_order_and_doc():
     entries = args_entries(pipetrain.Pipeline.__doc__)
     assert list(entries) == ["model", "balance", *(o.name for o in OPTIONS)]
