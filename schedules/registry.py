@@ -19,6 +19,14 @@ from schedules.validate import validate
 
 RECOMPUTE_MODES = ("never", "except_last", "always")  # torchgpipe's activation checkpointing
 
+
+def recompute_below(mode: str, microbatches: int) -> int:
+    """Micro-batches numbered below this recompute their forward in the backward under
+    checkpoint ``mode`` (one of RECOMPUTE_MODES), with ``microbatches`` per mini-batch."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"checkpoint must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    return {"never": 0, "except_last": microbatches - 1, "always": microbatches}[mode]
+
 # (stage, stages, micro-batches) -> micro-batches whose activations that stage holds at once
 InflightRule = Callable[[int, int, int], int]
 

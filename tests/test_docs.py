@@ -47,16 +47,3 @@ def test_help_shows_each_option():
         assert re.search(rf"^\s*\|?\s+{name}: ", text, re.MULTILINE), name
     assert "takes no arguments" in pipetrain.Pipeline.flush.__doc__
 
-
-def test_the_configs_options_default_as_the_pipelines():
-    """``PipelineConfig.resolve`` takes the options ``Pipeline`` passes on by name; a default
-    changed in one signature and not the other would make the two disagree silently."""
-    from pipetrain.runtime.config import PipelineConfig
-
-    pipeline = inspect.signature(pipetrain.Pipeline).parameters
-    config = inspect.signature(PipelineConfig.resolve).parameters
-    shared = [name for name in config if name in pipeline]
-    assert len(shared) >= 20 and "model" in shared  # it is the same list of options
-    differ = {n: (pipeline[n].default, config[n].default) for n in shared
-              if pipeline[n].default != config[n].default}
-    assert not differ, f"defaults differ (Pipeline, PipelineConfig.resolve): {differ}"

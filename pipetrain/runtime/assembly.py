@@ -177,7 +177,7 @@ def _build_stage(
         versions = partial(
             stage_versions, lag=schedule.lag[index], update_every=schedule.update_every,
             weight_stashing=config.weight_stashing,
-            weight_prediction=config.weight_prediction, compensation=config.compensation,
+            weight_prediction=config.weight_prediction, compensation=config.delay_compensation,
             schedule=config.schedule,
         )
     stage = Stage(

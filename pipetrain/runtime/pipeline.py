@@ -26,6 +26,7 @@ from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
+from pipetrain.runtime.options import checked, passed
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
@@ -64,6 +65,10 @@ class Pipeline:
     split gives the weights ``pipetrain.init_layers(model, init_seed, init)`` gives the model
     built eagerly; or each stage reads its own tensors from ``weights``.
 
+    The keyword options, each declared once in pipetrain/runtime/options.py, come in groups:
+    split, training, the step, asynchronous schedules, placement, layer values, saving,
+    execution, observation.
+
     Args:
         model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
             Built on the meta device, it needs ``init_seed`` or ``weights``.
@@ -91,27 +96,17 @@ class Pipeline:
         optimizer: a factory, ``lambda params: torch.optim.AdamW(params, ...)``: each stage
             builds its own optimizer of its parameters. torch's fused optimizers
             (``fused=True``) skip a non-finite step on the device, without a host sync.
-        devices: one device per rank to run every stage in this process; None (default) runs
-            this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
-        group: the process group of the job (default: the whole world).
-        replicas: data-parallel copies of the pipeline (default: world size / ranks per
-            pipeline).
-        timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
-            (default 300).
-        deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
-            rather than of the last micro-batch (pipetrain/training/batchnorm.py).
-        track_memory: count the bytes each stage saves for backward (``stage.ledger``), and
-            hold each stage to the micro-batches its schedule keeps in flight.
-        trace: a folder where each rank writes the actions it ran, with times (``pipetrain
-            trace DIR`` merges them); the same on every rank. Default: the PIPETRAIN_TRACE
-            environment variable, else off.
-        progress: True prints each step's metrics on the first rank;
-            ``pipetrain.Progress(every=N, total=T)`` every N steps, with a bar up to step T (a
-            bare number is refused as ambiguous).
-        checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
-            tells how many steps are done; the first rank says so).
-        checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
-            steps (0, the default: never).
+        lr_scheduler: a factory, ``lambda optimizer: ...``: one learning-rate schedule per
+            stage optimizer, stepped after each of its steps (not after a skipped one).
+        precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
+            sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
+            whose overflow check every rank agrees on (pipetrain/training/precision.py).
+        clip_grad_norm: clip by the norm of the whole model's gradients, as
+            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/runtime/update.py).
+        nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
+            gradients are not finite on any stage, on every rank, leaving the weights, the
+            optimizer state and the learning-rate schedule as they were, with a warning naming
+            the step and the stages; "raise" raises NonFiniteError instead.
         weight_stashing: asynchronous schedules: a micro-batch's forward and backward read one
             weight version (default True). False without prediction is PipeDream's naive,
             inconsistent variant.
@@ -119,23 +114,24 @@ class Pipeline:
             passes on the weights predicted after the stage's lag (pipetrain/training/weights.py);
             None stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
             prediction for SGD with momentum, Adam and AdamW.
-        precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
-            sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
-            whose overflow check every rank agrees on (pipetrain/training/precision.py).
-        clip_grad_norm: clip by the norm of the whole model's gradients, as
-            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/runtime/update.py).
-        lr_scheduler: a factory, ``lambda optimizer: ...``: one learning-rate schedule per
-            stage optimizer, stepped after each of its steps (not after a skipped one).
         delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
             "pipemare", several joined by "+", or a DelayCompensation: changes the updates of
             late gradients (pipetrain/training/compensation.py), with or without prediction. Default
             "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
             "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
             delay_compensation=None`` is PipeDream's weight stashing.
-        cuda_graphs: True captures each stage's training forward and backward as CUDA graphs
-            after the first step with each micro-batch shape and replays them from then on
-            (pipetrain/runtime/cuda_graphs.py); what cannot be captured is refused with the reason,
-            and "auto" runs it eagerly instead. Default False.
+        devices: one device per rank to run every stage in this process; None (default) runs
+            this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
+        group: the process group of the job (default: the whole world).
+        replicas: data-parallel copies of the pipeline (default: world size / ranks per
+            pipeline).
+        timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
+            (default 300).
+        zero: what each stage's data-parallel replicas shard among them (ZeRO,
+            pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
+            the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
+            there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
+            ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
         init_seed: the per-layer initialization rule's seed (pipetrain/training/lazy.py): layer i is
             seeded from it and i, then ``init(layer)`` or its modules' ``reset_parameters()``
             run. Needed for a meta-device model without ``weights``; on an eagerly built model
@@ -148,19 +144,28 @@ class Pipeline:
             own tensors
             (pipetrain/checkpoints/weightfile.py). Missing, unexpected or wrongly shaped keys are
             refused in one error.
-        nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
-            gradients are not finite on any stage, on every rank, leaving the weights, the
-            optimizer state and the learning-rate schedule as they were, with a warning naming
-            the step and the stages; "raise" raises NonFiniteError instead.
+        checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
+            tells how many steps are done; the first rank says so).
+        checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
+            steps (0, the default: never).
+        deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
+            rather than of the last micro-batch (pipetrain/training/batchnorm.py).
+        cuda_graphs: True captures each stage's training forward and backward as CUDA graphs
+            after the first step with each micro-batch shape and replays them from then on
+            (pipetrain/runtime/cuda_graphs.py); what cannot be captured is refused with the reason,
+            and "auto" runs it eagerly instead. Default False.
         check_batches: on the first step, and the first after a resume, the ranks compare
             the batches they were given (batch sizes, and a fingerprint of each ``x`` and
             ``y`` given to more than one rank; pipetrain/runtime/batch_agreement.py) and refuse
             different ones on every rank (default True). Later steps are not checked.
-        zero: what each stage's data-parallel replicas shard among them (ZeRO,
-            pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
-            the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
-            there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
-            ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
+        track_memory: count the bytes each stage saves for backward (``stage.ledger``), and
+            hold each stage to the micro-batches its schedule keeps in flight.
+        trace: a folder where each rank writes the actions it ran, with times (``pipetrain
+            trace DIR`` merges them); the same on every rank. Default: the PIPETRAIN_TRACE
+            environment variable, else off.
+        progress: True prints each step's metrics on the first rank;
+            ``pipetrain.Progress(every=N, total=T)`` every N steps, with a bar up to step T (a
+            bare number is refused as ambiguous).
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
     ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
@@ -188,47 +193,39 @@ class Pipeline:
         checkpoint: str | Sequence[str] | None = None,
         loss_fn: LossFn | None = None,
         optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+        precision: str = "fp32",
+        clip_grad_norm: float | None = None,
+        nonfinite: str = "skip",
+        weight_stashing: bool = True,
+        weight_prediction: str | None = AUTO,
+        delay_compensation: str | DelayCompensation | None = AUTO,
         devices: Sequence[str | torch.device] | None = None,
         group: dist.ProcessGroup | None = None,
         replicas: int | None = None,
         timeout: float = 300.0,
-        deferred_batch_norm: bool = False,
-        track_memory: bool = False,
-        trace: str | os.PathLike[str] | None = None,
-        progress: bool | Progress = False,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 0,
-        weight_stashing: bool = True,
-        weight_prediction: str | None = AUTO,
-        precision: str = "fp32",
-        clip_grad_norm: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        delay_compensation: str | DelayCompensation | None = AUTO,
-        cuda_graphs: bool | str = False,
+        zero: int = 0,
         init_seed: int | None = None,
         init: InitFn | None = None,
         weights: str | os.PathLike[str] | None = None,
-        nonfinite: str = "skip",
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        deferred_batch_norm: bool = False,
+        cuda_graphs: bool | str = False,
         check_batches: bool = True,
-        zero: int = 0,
+        track_memory: bool = False,
+        trace: str | os.PathLike[str] | None = None,
+        progress: bool | Progress = False,
     ):
-        self.config = config = PipelineConfig.resolve(
-            model, balance, plan=plan, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
-            loss_fn=loss_fn, optimizer=optimizer, timeout=timeout,
-            deferred_batch_norm=deferred_batch_norm, track_memory=track_memory, trace=trace,
-            progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            weight_stashing=weight_stashing, weight_prediction=weight_prediction,
-            precision=precision, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
-            delay_compensation=delay_compensation, cuda_graphs=cuda_graphs,
-            nonfinite=nonfinite, check_batches=check_batches, zero=zero,
-        )
-        source = LayerSource(init_seed, init, weights)
+        options = passed(locals())  # every option as given, by the names OPTIONS declares
+        self.config = config = PipelineConfig.resolve(model, balance, **options)
+        source = LayerSource(**checked("layers", options))
         source.check(model)
         self.balance, self.chunks = list(config.balance), config.chunks
         self.timeout, self.checkpoint, self.precision = (
             config.timeout, config.checkpoint, config.precision
         )
-        self.world = make_world(devices, group, replicas, config.timeout)
+        self.world = make_world(**checked("world", options), timeout=config.timeout)
         ranks = self.world.pipeline_ranks(config.schedule, len(self.balance))
         config.check_planned_ranks(ranks, placed=self.world.placed)
         self.schedule = build(config.schedule, len(self.balance), config.chunks, ranks=ranks)
