@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from pipetrain import _moved, optim
+from pipetrain import optim
 from pipetrain.checkpoints.checkpointing import consolidate
 from pipetrain.checkpoints.restart import restarted, start_or_resume
 from pipetrain.errors import (
@@ -49,5 +49,3 @@ __all__ = [
     "restarted",
     "start_or_resume",
 ]
-
-_moved.install()  # the flat layout's module paths (pipetrain.stage, ...) still import
