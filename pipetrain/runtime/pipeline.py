@@ -27,7 +27,6 @@ from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.placement import Placement
-from pipetrain.runtime.readback import step_loss
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
@@ -314,8 +313,10 @@ class Pipeline:
     ) -> torch.Tensor:
         """Run one mini-batch through every micro-batch's forward and backward, then one
         optimizer step per stage. Returns the mini-batch's mean loss on every rank, as a 0-d
-        float64 tensor on this rank's device: the step never waits for the device to know it;
-        reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``, a comparison) does.
+        float64 tensor (a plain ``torch.Tensor``) on this rank's device: the step never waits for
+        the device to know it; reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``,
+        a comparison) does. ``round(loss, 3)`` is not defined for a tensor: round
+        ``float(loss)``, or use ``loss.round(decimals=3)`` for a tensor.
         A step whose loss or gradients are not finite on any stage is skipped on every rank
         (see ``nonfinite``).
 
@@ -336,7 +337,7 @@ class Pipeline:
 
         Returns:
             The mini-batch's mean loss, the same on every rank (averaged over replicas), as a
-            0-d float64 tensor on this rank's device: reading it (``float(loss)``,
+            plain 0-d float64 tensor on this rank's device: reading it (``float(loss)``,
             ``f"{loss:.3f}"``) waits for the device, the step itself does not.
         """
         self.config.check_trainable()
@@ -368,7 +369,7 @@ class Pipeline:
         every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
         if folder is not None and every and self.step % every == 0:
             self.save(folder)
-        return step_loss(value)
+        return value.detach()
 
     @property
     def in_flight(self) -> bool:
