@@ -13,10 +13,10 @@ from pipetrain.errors import (
     PipelineError,
     StageError,
 )
-from pipetrain.observe.meta_profile import profile
 from pipetrain.observe.progress import Progress
 from pipetrain.runtime.distributed import init_distributed, shutdown
 from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.tools.meta_profile import profile
 from pipetrain.tools.task import TrainTask
 from pipetrain.training.compensation import DelayCompensation
 from pipetrain.training.lazy import init_layers

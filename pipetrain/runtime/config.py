@@ -20,9 +20,9 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from partitioner import Plan
 from pipetrain.observe.progress import Progress, progress_option
 from pipetrain.runtime.cuda_graphs import check_mode
+from pipetrain.runtime.planning import load_plan
 from pipetrain.runtime.sharding import check_level
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.tools.planning import load_plan
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.precision import autocast_dtype
 from schedules import lookup, names

@@ -19,14 +19,16 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.checkpoints import checkpointing
-from pipetrain.observe.metrics import StepMetrics
 from pipetrain.observe.progress import Progress, logger
 from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
+from pipetrain.runtime.layers import LayerSource
+from pipetrain.runtime.metrics import StepMetrics
 from pipetrain.runtime.placement import Placement
+from pipetrain.runtime.planning import warn_other_microbatch
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
@@ -35,9 +37,7 @@ from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
-from pipetrain.tools.planning import warn_other_microbatch
 from pipetrain.training.compensation import AUTO, DelayCompensation
-from pipetrain.training.layers import LayerSource
 from pipetrain.training.lazy import InitFn
 from pipetrain.training.precision import LossScaler
 from schedules import build, validate
