@@ -331,7 +331,7 @@ def _profile(opts: dict, warmup: int, repeats: int, busy: int):
     import torch.multiprocessing as mp
 
     from examples.models import resnet_like
-    from pipetrain.observe.profiler import profile
+    from pipetrain.tools.profiler import profile
 
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")

@@ -31,9 +31,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from delayed import DelayedPipeline
 
 from pipetrain.optim import CONSTANT, nadamw
-from pipetrain.training.delayed import DelayedPipeline
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 BALANCE = [2, 1, 1, 2]

@@ -5,8 +5,8 @@ Accuracy (issue 21). Digits as in async_digits.py (8x8 images, 512 held-out samp
 the data order of seed s from generator 1000 + s), SGD(momentum 0.9) and AdamW(weight_decay
 0.01), a grid of learning rates from where everything trains to where synchronous training
 stops. The asynchronous update sequence runs in one process
-(pipetrain.training.delayed.DelayedPipeline: the runtime's own stages, weight versions and
-compensations, in PipeDream's and 2BW's order; tests/runtime/test_delayed.py checks it against
+(benchmarks/delayed.py's DelayedPipeline: the runtime's own stages, weight versions and
+compensations, in PipeDream's and 2BW's order; tests/benchmarks/test_delayed.py checks it against
 Pipeline), and every (lr, seed) pair of a variant trains at once as one ensemble (one independent
 MLP per pair, its own parameter group and lr), which is what makes the sweep affordable on a shared
 2-core machine. Variants:
@@ -177,8 +177,7 @@ def run_variant(variant: str, kind: str, lrs: list[float], seeds: int, epochs: i
     then lr times the member's own, and every remedy (spike, lr scaling, prediction, PipeMare's
     correction) is linear in it, so each member follows its own lr exactly."""
     import torch
-
-    from pipetrain.training.delayed import DelayedPipeline
+    from delayed import DelayedPipeline
 
     xtr, ytr, xte, yte = data
     pairs = [(lr, s) for lr in lrs for s in range(seeds)]

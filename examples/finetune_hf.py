@@ -25,7 +25,7 @@ import pipetrain
 import pipetrain.hf
 from examples.text import CORPUS
 from pipetrain.hf.task import layers, text
-from pipetrain.observe.meta_profile import profile
+from pipetrain.tools.meta_profile import profile
 
 
 def parse_args() -> argparse.Namespace:

@@ -249,7 +249,7 @@ def train_steps(pipe: pipetrain.Pipeline, args: argparse.Namespace, train: torch
             pipe.save(args.checkpoint_dir)
         if rank == 0 and (step % args.log_every == 0 or step in (first + 1, args.steps)):
             metrics = pipe.metrics
-            log(step, args, loss, metrics["lr"], metrics.get("grad_norm"),
+            log(step, args, float(loss), metrics["lr"], metrics.get("grad_norm"),
                 (step - first) * args.batch * args.context, time.perf_counter() - start)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             value = evaluate_pipelined(pipe, held_out)

@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from pipetrain import _moved, optim
+from pipetrain import optim
 from pipetrain.checkpoints.checkpointing import consolidate
 from pipetrain.checkpoints.restart import restarted, start_or_resume
 from pipetrain.errors import (
@@ -13,10 +13,10 @@ from pipetrain.errors import (
     PipelineError,
     StageError,
 )
-from pipetrain.observe.meta_profile import profile
 from pipetrain.observe.progress import Progress
 from pipetrain.runtime.distributed import init_distributed, shutdown
 from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.tools.meta_profile import profile
 from pipetrain.tools.task import TrainTask
 from pipetrain.training.compensation import DelayCompensation
 from pipetrain.training.lazy import init_layers
@@ -49,5 +49,3 @@ __all__ = [
     "restarted",
     "start_or_resume",
 ]
-
-_moved.install()  # the flat layout's module paths (pipetrain.stage, ...) still import

@@ -67,34 +67,68 @@ def test_verbose_twice_prints_each_event_once(capsys):
     assert capsys.readouterr().err.splitlines() == ["[rank 3] INFO resumed"]
 
 
-def test_the_flat_layouts_module_paths_import_the_grouped_modules():
-    """Code written against pipetrain's flat layout (``pipetrain.stage``, the README's former
-    ``pipetrain.delayed.DelayedPipeline``) imports the very module that now lives in a
-    subpackage: one object, so a patch through either path reaches the code that runs."""
+def test_the_flat_layouts_module_paths_are_gone():
+    """The flat layout's paths (``pipetrain.stage``) no longer import: CHANGELOG.md names each
+    module's new place, and every one of those places imports."""
     import importlib
-    from unittest import mock
 
-    from pipetrain import _moved
-    from pipetrain.runtime.stage import Stage
-
-    for name, group in _moved.MOVED.items():
-        old = importlib.import_module(f"pipetrain.{name}")
-        assert old is importlib.import_module(f"pipetrain.{group}.{name}"), name
-        assert old.__spec__.name == f"pipetrain.{group}.{name}"  # the module keeps its own
-    stage = importlib.import_module("pipetrain.stage")
-    with mock.patch("pipetrain.stage.Stage.zero_grad") as patched:
-        assert Stage.zero_grad is patched and stage.Stage is Stage
-    out = _python("from pipetrain.delayed import DelayedPipeline as D; print(D.__module__)")
-    assert out.strip() == "pipetrain.training.delayed"
-    assert not (ROOT / "pipetrain" / "stage.py").exists()  # moved, not copied
+    moved = re.findall(r"^- `pipetrain\.(\w+)` -> `pipetrain\.(\w+)\.\1`$",
+                       (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert len(moved) == 41  # and pipetrain.delayed, out of the package
+    for name, group in moved:
+        assert importlib.import_module(f"pipetrain.{group}.{name}").__name__.endswith(name)
+    out = _python("import pipetrain\n"
+                  "try:\n    import pipetrain.stage\nexcept ImportError:\n    print('gone')\n")
+    assert out.strip() == "gone"
 
 
 def test_the_tree_groups_every_module():
     """Only the package's public entry points stay at the top; the rest sits in a group."""
     top = sorted(p.name for p in (ROOT / "pipetrain").glob("*.py"))
-    assert top == ["__init__.py", "__main__.py", "_moved.py", "errors.py", "optim.py"]
+    assert top == ["__init__.py", "__main__.py", "errors.py", "optim.py"]
     groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
     assert groups == {"runtime", "training", "checkpoints", "observe", "tools", "hf"}
+
+
+ROOMS = (("observe", "training"), ("checkpoints",), ("runtime",), ("tools",), ("hf",))
+
+
+def _room_imports() -> list[tuple[str, str, str]]:
+    """(from room, to room, file) for each module-level import of one of pipetrain's
+    subpackages by a module of another; imports inside functions and under TYPE_CHECKING
+    (annotations only) are not module-level."""
+    rooms = {room for layer in ROOMS for room in layer}
+    found = []
+    for path in sorted((ROOT / "pipetrain").rglob("*.py")):
+        here = path.relative_to(ROOT / "pipetrain").parts[0]
+        if here not in rooms:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "pipetrain" and len(parts) > 1 and parts[1] in rooms - {here}:
+                    found.append((here, parts[1], str(path.relative_to(ROOT))))
+    return found
+
+
+def test_the_rooms_of_pipetrain_only_point_down():
+    """pipetrain's subpackages form layers (ROOMS, lowest first): a module imports, at module
+    level, only rooms of lower layers, so no import runs back up and no two rooms need each
+    other. observe and training share the lowest layer and import neither each other."""
+    layer = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
+    imports = _room_imports()
+    assert imports, "no import between rooms found: the parse is broken"
+    up = sorted({f"{file}: {here} -> {there}" for here, there, file in imports
+                 if layer[there] >= layer[here]})
+    assert not up, up
+    groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
+    assert groups == set(layer)
 
 
 def _minor_versions(spec: str) -> list[str]:

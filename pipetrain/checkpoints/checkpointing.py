@@ -35,26 +35,50 @@ import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from pipetrain.checkpoints import weightfile
 from pipetrain.errors import CheckpointError
-from pipetrain.runtime.stage import Stage
 from pipetrain.training.compensation import Compensator
 from pipetrain.training.precision import LossScaler
+from pipetrain.training.weights import WeightVersions
 
 FORMAT = "pipetrain-checkpoint"
 VERSION = 1
+class _StateDict(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class Stage(Protocol):
+    """What a checkpoint saves and restores of a stage (runtime/stage.py's ``Stage``): read
+    through this protocol so that checkpoints, below the runtime, never import it."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def module(self) -> torch.nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None: ...
+    @property
+    def rng(self) -> _StateDict: ...
+    @property
+    def versions(self) -> WeightVersions | None: ...
+
+
 KEEP = 2  # complete checkpoints kept; older ones are removed after a successful save
 _NAME = re.compile(r"step-\d{8,}(\.\d{4})?")  # a checkpoint's folder (``latest`` names one)
 # a stage's module and optimizer state_dicts, whole, gathered from its sharded replicas
 WholeState = tuple[dict[str, Any], dict[str, Any] | None]
 # the whole tensors by name (module, optimizer state) -> a sharded stage's shares of them
-Shard = Callable[
-    [Stage, dict[str, Any], dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]
-]
+S = TypeVar("S", bound=Stage)
+Shard = Callable[[S, dict[str, Any], dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -384,8 +408,8 @@ def _checkpoint(folder: str | os.PathLike[str]) -> Path:
 
 
 def load(
-    folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None = None,
-    shard: Shard | None = None,
+    folder: str | os.PathLike[str], stages: Sequence[S], scaler: LossScaler | None = None,
+    shard: Shard[S] | None = None,
 ) -> tuple[int, Path] | None:
     """Restore ``stages`` (and ``scaler``) from the newest checkpoint in ``folder`` (made under
     any balance, replicas or ``zero``); return its step and path, or None when there is none
@@ -491,8 +515,8 @@ class Checkpoints:
         return path
 
     def load(
-        self, folder: str | os.PathLike[str], stages: Sequence[Stage], scaler: LossScaler | None,
-        shard: Shard | None = None,
+        self, folder: str | os.PathLike[str], stages: Sequence[S], scaler: LossScaler | None,
+        shard: Shard[S] | None = None,
     ) -> int | None:
         """:func:`load`; the step restored, or None when there is no checkpoint yet."""
         resumed = load(folder, stages, scaler, shard)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,8 @@ def start_or_resume(
     torchrun restarted the job, and return its step (None when the folder holds none yet);
     otherwise start a new run at step 0 and save that step in ``folder``, refused (a
     CheckpointError, :func:`check_start`'s) where the folder holds checkpoints, unless ``fresh``.
+    Either way ``folder`` becomes the pipeline's ``checkpoint_dir``: its ``checkpoint_every``
+    saves go there.
 
     Every rank calls it, and every rank of every replica decides alike: each reports whether
     torchrun restarted it and the first rank what the folder holds, before any rank saves.
@@ -84,9 +87,12 @@ def start_or_resume(
     refusal = None if resume or fresh else _refusal(folder)
     views = pipe.world.gather_objects((restarted(), refusal), every_replica=True)
     if resume or any(again for again, _ in views):
-        return pipe.load(folder)
-    if views[0][1] is not None:
+        resumed = pipe.load(folder)
+    elif views[0][1] is not None:
         raise CheckpointError(views[0][1])
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    pipe.save(folder)
-    return None
+    else:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        pipe.save(folder)
+        resumed = None
+    pipe.config = replace(pipe.config, checkpoint_dir=folder)  # the run's saves: train_step's
+    return resumed

@@ -1,14 +1,11 @@
 """Whole-model weight files read per stage: safetensors and torch ``.pt``.
 
 Keys are those of the whole model's ``state_dict()``; a rank reads only the keys of its own
-layers. A safetensors file is an 8-byte little-endian header length, a JSON header (per key: its
-dtype, shape and byte range) and the raw bytes; it is read here straight into each parameter's
-own memory (``readinto``: no second copy, no mapped pages counted in the rank's resident
-memory), and written here tensor by tensor after a header computed from shapes alone, so a
-checkpoint is consolidated one stage at a time. This small format is implemented here rather
-than through the ``safetensors`` package for those two reasons (reading into the parameter
-itself, writing without the whole model in memory); the tests check that files round-trip with
-the package where it is installed. A ``.pt`` file is read with
+layers. A safetensors file is read with the ``safetensors`` package's ``safe_open``, one tensor
+at a time (its header checked whole: offsets in the file, not overlapping), each copied into its
+parameter at once, so a rank holds its parameters plus one tensor in flight. It is written here
+tensor by tensor after a header computed from shapes alone (``save_file`` needs every tensor at
+once), so a checkpoint is consolidated one stage at a time. A ``.pt`` file is read with
 ``torch.load(mmap=True, weights_only=True)``: only the pages of this rank's tensors are read.
 Hosts are assumed little-endian, as safetensors' format is. A directory is a Hugging Face
 checkpoint (safetensors shards and their index: pipetrain/hf/load.py).
@@ -23,21 +20,23 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import Iterable, Mapping
-from io import BufferedReader
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # safetensors' dtype names, every one torch has
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_HEADER_LIMIT = 100 * 2**20  # a header larger than this is not a safetensors file
 
 
 class WeightFileError(ValueError):
@@ -55,79 +54,51 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
 # -- safetensors -----------------------------------------------------------------------------
 
 
-def _read_header(f: BufferedReader, path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header and the offset where the data begins; clear errors for a damaged file."""
-    size = os.fstat(f.fileno()).st_size
-    head = f.read(8)
-    if len(head) < 8:
-        raise WeightFileError(f"{path} is truncated ({size} bytes): not even a safetensors header")
-    (length,) = struct.unpack("<Q", head)
-    if length > min(_HEADER_LIMIT, size - 8):
-        raise WeightFileError(
-            f"{path} is truncated or not a safetensors file: its header claims {length} bytes "
-            f"but the file has {size}"
-        )
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open`` on ``path``, a damaged or truncated file refused with the fix."""
     try:
-        header = json.loads(f.read(length))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WeightFileError(f"{path} has a damaged safetensors header: {error}") from None
-    if not isinstance(header, dict):
-        raise WeightFileError(f"{path} has a damaged safetensors header: not a JSON object")
-    header.pop("__metadata__", None)
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end > size:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as error:
         raise WeightFileError(
-            f"{path} is truncated: its header describes {8 + length + end} bytes but the file "
-            f"has {size}; write it again (e.g. pipetrain consolidate ... -o {path.name})"
-        )
-    return header, 8 + length
+            f"{path} is truncated or damaged, not a readable safetensors file ({error}); write "
+            f"it again (e.g. pipetrain consolidate ... -o {path.name})"
+        ) from None
 
 
 def _safetensors_index(path: Path) -> Index:
-    with open(path, "rb") as f:
-        header, _ = _read_header(f, path)
     index = {}
-    for key, entry in header.items():
-        if entry["dtype"] not in DTYPES:
-            raise WeightFileError(
-                f"{path}: tensor {key!r} has dtype {entry['dtype']}, which pipetrain does not "
-                f"read (it reads {', '.join(DTYPES)})"
-            )
-        index[key] = (DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    with _opened(path) as f:
+        for key in f.keys():
+            entry = f.get_slice(key)
+            dtype = entry.get_dtype()
+            if dtype not in DTYPES:
+                raise WeightFileError(
+                    f"{path}: tensor {key!r} has dtype {dtype}, which torch has no type for "
+                    f"(pipetrain reads {', '.join(DTYPES)})"
+                )
+            index[key] = (DTYPES[dtype], tuple(entry.get_shape()))
     return index
 
 
-def _read_into(f: BufferedReader, start: int, target: torch.Tensor) -> None:
-    """The bytes at ``start`` into ``target``: straight into its memory on the CPU, through a
-    buffer of that size elsewhere."""
-    host = target if target.device.type == "cpu" and target.is_contiguous() else (
-        torch.empty(target.shape, dtype=target.dtype)
-    )
-    f.seek(start)
-    view = host.reshape(-1).view(torch.uint8).numpy().data
-    done = 0
-    while done < len(view):
-        got = f.readinto(view[done:])
-        if not got:
-            raise WeightFileError(f"{f.name} ended early: it is truncated")
-        done += got
-    if host is not target:
-        target.copy_(host)
-
-
 def load_safetensors(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
-    """Read each key of ``targets`` from the safetensors file ``path`` into its tensor."""
-    with open(path, "rb") as f:
-        header, data = _read_header(f, path)
-        for key, target in targets.items():
-            entry = header[key]
-            begin = data + entry["data_offsets"][0]
-            if DTYPES[entry["dtype"]] == target.dtype:
-                _read_into(f, begin, target)
-            else:  # a file of another precision: read as stored, then cast
-                stored = torch.empty(target.shape, dtype=DTYPES[entry["dtype"]])
-                _read_into(f, begin, stored)
-                target.copy_(stored)
+    """Read each key of ``targets`` from the safetensors file ``path`` into its tensor (cast to
+    its dtype where the file holds another), a block of rows of at most ``_BLOCK`` bytes at a
+    time: the file is opened for each block and closed after it, so that neither its mapped
+    pages nor the block's copy add more than that to the rank's resident memory."""
+    for key, target in targets.items():
+        rows = len(target) if target.dim() else 1
+        step = max(1, _BLOCK * rows // max(target.nbytes, 1))
+        for start in range(0, rows, step):
+            with _opened(path) as f:
+                if target.dim():
+                    target[start : start + step].copy_(f.get_slice(key)[start : start + step])
+                else:
+                    target.copy_(f.get_tensor(key))
+
+
+_BLOCK = 16 * 2**20
 
 
 def write_safetensors(

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs in pipetrain: the model as keyed layers, its loss, its checkpoints.
 
-Needs the ``hf`` extra (``pip install pipetrain[hf]``: transformers and safetensors); ``import
+Needs the ``hf`` extra (``pip install pipetrain[hf]``: transformers); ``import
 pipetrain`` never imports this package. See docs/hf.md.
 """
 

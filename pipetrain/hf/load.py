@@ -2,7 +2,7 @@
 by ``model.safetensors.index.json``.
 
 Each rank reads only its own layers' tensors, shard by shard, straight into its parameters
-(pipetrain/checkpoints/weightfile.py's safetensors reader: no mapped pages, no second copy);
+(pipetrain/checkpoints/weightfile.py: ``safe_open``, a block of rows at a time);
 ``Pipeline(weights=DIR)`` dispatches here for a directory. Needs no transformers.
 """
 

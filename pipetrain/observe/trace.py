@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.tags import CLOCK_TAG
 from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
 from schedules.action import COMPUTE, RECVS, SENDS, TIMED
 from schedules.simulate import Cores
@@ -158,11 +157,12 @@ def step_spans(traces: Sequence[RankTrace], step: int) -> list[Span]:
 
 
 def measure_clock_offset(
-    group: dist.ProcessGroup, ranks: Sequence[int], rounds: int = 8
+    group: dist.ProcessGroup, ranks: Sequence[int], tag: int, rounds: int = 8
 ) -> tuple[float, float]:
     """This rank's clock offset from the group's first rank and the one-way latency of a small
-    message between them (NTP-style ping-pong; the round with the shortest round trip wins;
-    both 0 on the first rank). Every rank of the group must call it.
+    message between them (NTP-style ping-pong on messages tagged ``tag``, one no other message
+    of the group uses; the round with the shortest round trip wins; both 0 on the first rank).
+    Every rank of the group must call it.
 
     Ranks under one kernel (one boot) read one monotonic clock, so their offset is 0; the
     ping-pong only bounds it (within half a round trip, which on busy shared cores reaches a
@@ -175,13 +175,13 @@ def measure_clock_offset(
     for peer in ranks[1:]:
         for _ in range(rounds):
             if me == ranks[0]:
-                dist.recv(ping, peer, group=group, tag=CLOCK_TAG)
+                dist.recv(ping, peer, group=group, tag=tag)
                 ping[0] = time.perf_counter()
-                dist.send(ping, peer, group=group, tag=CLOCK_TAG)
+                dist.send(ping, peer, group=group, tag=tag)
             elif me == peer:
                 sent = time.perf_counter()
-                dist.send(ping, ranks[0], group=group, tag=CLOCK_TAG)
-                dist.recv(ping, ranks[0], group=group, tag=CLOCK_TAG)
+                dist.send(ping, ranks[0], group=group, tag=tag)
+                dist.recv(ping, ranks[0], group=group, tag=tag)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(ping[0]) - (sent + back) / 2))
     if me == ranks[0]:

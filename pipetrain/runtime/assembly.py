@@ -18,13 +18,13 @@ from pipetrain.runtime.agreement import fingerprint
 from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
 from pipetrain.runtime.data_parallel import Sync, tied_parameters
+from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
-from pipetrain.training.layers import LayerSource
 from pipetrain.training.lazy import is_meta
 from pipetrain.training.weights import stage_versions
 from schedules import Kind, Schedule, inflight

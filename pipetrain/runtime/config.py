@@ -21,8 +21,8 @@ from torch import nn
 from partitioner import Plan
 from pipetrain.observe.progress import Progress
 from pipetrain.runtime.options import checked
+from pipetrain.runtime.planning import load_plan
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
-from pipetrain.tools.planning import load_plan
 from pipetrain.training.compensation import AUTO, DelayCompensation
 from pipetrain.training.precision import autocast_dtype
 from schedules import lookup, names

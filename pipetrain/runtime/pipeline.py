@@ -19,16 +19,17 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.checkpoints import checkpointing
-from pipetrain.observe.metrics import StepMetrics
 from pipetrain.observe.progress import Progress, logger
 from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
+from pipetrain.runtime.layers import LayerSource
+from pipetrain.runtime.metrics import StepMetrics
 from pipetrain.runtime.options import checked, passed
 from pipetrain.runtime.placement import Placement
-from pipetrain.runtime.readback import step_loss
+from pipetrain.runtime.planning import warn_other_microbatch
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
@@ -37,9 +38,7 @@ from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
-from pipetrain.tools.planning import warn_other_microbatch
 from pipetrain.training.compensation import AUTO, DelayCompensation
-from pipetrain.training.layers import LayerSource
 from pipetrain.training.lazy import InitFn
 from pipetrain.training.precision import LossScaler
 from schedules import build, validate
@@ -311,8 +310,10 @@ class Pipeline:
     ) -> torch.Tensor:
         """Run one mini-batch through every micro-batch's forward and backward, then one
         optimizer step per stage. Returns the mini-batch's mean loss on every rank, as a 0-d
-        float64 tensor on this rank's device: the step never waits for the device to know it;
-        reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``, a comparison) does.
+        float64 tensor (a plain ``torch.Tensor``) on this rank's device: the step never waits for
+        the device to know it; reading it (``float(loss)``, ``loss.item()``, ``f"{loss:.3f}"``,
+        a comparison) does. ``round(loss, 3)`` is not defined for a tensor: round
+        ``float(loss)``, or use ``loss.round(decimals=3)`` for a tensor.
         A step whose loss or gradients are not finite on any stage is skipped on every rank
         (see ``nonfinite``).
 
@@ -333,7 +334,7 @@ class Pipeline:
 
         Returns:
             The mini-batch's mean loss, the same on every rank (averaged over replicas), as a
-            0-d float64 tensor on this rank's device: reading it (``float(loss)``,
+            plain 0-d float64 tensor on this rank's device: reading it (``float(loss)``,
             ``f"{loss:.3f}"``) waits for the device, the step itself does not.
         """
         self.config.check_trainable()
@@ -365,7 +366,7 @@ class Pipeline:
         every, folder = self.config.checkpoint_every, self.config.checkpoint_dir
         if folder is not None and every and self.step % every == 0:
             self.save(folder)
-        return step_loss(value)
+        return value.detach()
 
     @property
     def in_flight(self) -> bool:

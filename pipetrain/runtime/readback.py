@@ -9,8 +9,6 @@ only reading it before then waits. On a CPU the tensor is already on the host: n
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
@@ -39,44 +37,3 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
-
-
-class StepLoss(torch.Tensor):
-    """The loss ``train_step`` returns: a 0-d tensor on the device that made it, read (the
-    one host sync) only when the caller reads it: ``float(loss)``, ``loss.item()``,
-    ``f"{loss:.4f}"``, ``round(loss, 4)``, a comparison. It also counts as a real number
-    (``numbers.Real``), so that number-minded code such as ``pytest.approx`` or
-    ``math.isclose`` takes it as one."""
-
-    __len__ = None  # type: ignore[assignment]  # a scalar, not a sequence: no len(), and not taken for a collection
-
-    def __format__(self, spec: str) -> str:
-        return format(self.item(), spec)
-
-    def __round__(self, ndigits: int | None = None) -> float | int:
-        """``round(loss, 3)``: as on the float it holds (an int without ``ndigits``)."""
-        return round(float(self.item()), ndigits)
-
-    def __trunc__(self) -> int:
-        return math.trunc(self.item())
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Saved (torch.save, pickle) as the plain tensor it holds, so that a file of losses
-        loads anywhere, ``torch.load(weights_only=True)`` included."""
-        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> StepLoss:
-        return step_loss(self.clone())
-
-    @property
-    def imag(self) -> float:  # type: ignore[override]
-        """A real number's imaginary part, as ``numbers.Real`` has it."""
-        return 0.0
-
-
-numbers.Real.register(StepLoss)
-
-
-def step_loss(value: torch.Tensor) -> StepLoss:
-    """``value`` (a 0-d tensor) as the loss a step returns, without copying or reading it."""
-    return value.detach().as_subclass(StepLoss)

@@ -30,6 +30,7 @@ from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync
 from pipetrain.runtime.distributed import local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
+from pipetrain.runtime.tags import CLOCK_TAG
 from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
 from schedules import Schedule, lookup
 
@@ -383,7 +384,9 @@ class ProcessWorld(World):
         self, schedule: Schedule, at_exit: Callable[[], object]
     ) -> list[Recorder | None]:
         """One recorder, its clock offset from the first rank's measured now."""
-        offset, latency = measure_clock_offset(self.groups.pipeline, self.groups.global_ranks)
+        offset, latency = measure_clock_offset(
+            self.groups.pipeline, self.groups.global_ranks, CLOCK_TAG
+        )
         recorder = Recorder(dist.get_rank(), self.rank, schedule, offset, latency)
         atexit.register(at_exit)
         return [recorder]

@@ -49,7 +49,7 @@ from schedules import Simulation, lookup, names
 
 PROG = "pipetrain"
 PIPEDREAM_PREFIX = "pipedream:"
-OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adagrad", "adam", "adamw")  # as observe/profiler.py
+OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adagrad", "adam", "adamw")  # as tools/profiler.py
 
 
 class UsageError(Exception):
@@ -237,8 +237,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from pipetrain.observe.meta_profile import profile
-    from pipetrain.observe.profiler import ProfileNoiseWarning, noise_message
+    from pipetrain.tools.meta_profile import profile
+    from pipetrain.tools.profiler import ProfileNoiseWarning, noise_message
 
     threads = args.threads or _threads_per_rank(args.ranks_per_node)
     torch.set_num_threads(threads)

@@ -112,7 +112,7 @@ def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan
           world: int) -> Any:
     """FUNCTION's TrainTask, checked against the plan (its model's layers, the size of step 0's
     batch for ``world`` ranks): the launcher checks it before any process starts."""
-    from pipetrain.tools.planning import load_plan
+    from pipetrain.runtime.planning import load_plan
     from pipetrain.tools.task import TrainTask, check_batch
 
     task = factory(**kwargs)

@@ -98,11 +98,12 @@ def check_batch(x: Batch, y: Batch, step: int, expected: int, plan: Plan, replic
 
 def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float | None:
     """Train ``task`` on this rank of ``world`` (a multiple of the plan's ranks), resuming or
-    saving in ``run.checkpoint_dir``; the last step's loss (None when the checkpoint already
-    held every step)."""
+    saving in ``run.checkpoint_dir`` (Pipeline's own: :func:`start_or_resume` decides, then
+    ``train_step`` saves every ``run.checkpoint_every`` steps there); the last step's loss
+    (None when the checkpoint already held every step)."""
     replicas = world // plan.pipeline_ranks
     pipe = Pipeline(task.model, plan=plan, loss_fn=task.loss_fn, optimizer=task.optimizer,
-                    replicas=replicas, **task.options)
+                    replicas=replicas, checkpoint_every=run.checkpoint_every, **task.options)
     folder = run.checkpoint_dir
     resumed = start_or_resume(pipe, folder, run.resume, run.fresh) if folder is not None else None
     if rank == 0 and resumed is not None:
@@ -114,9 +115,7 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
     while pipe.step < run.steps:
         x, y = task.batch(pipe.step)
         check_batch(x, y, pipe.step, expected, plan, replicas)
-        loss = pipe.train_step(_part(x, mine), _part(y, mine))
-        if folder is not None and run.checkpoint_every and pipe.step % run.checkpoint_every == 0:
-            pipe.save(folder)
+        loss = pipe.train_step(_part(x, mine), _part(y, mine))  # saves every checkpoint_every
         if rank == 0 and (pipe.step % run.log_every == 0 or pipe.step == run.steps):
             print(f"step {pipe.step}/{run.steps}  loss {loss:.4f}", flush=True)
     if folder is not None:

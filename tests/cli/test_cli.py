@@ -17,8 +17,8 @@ import torch
 
 from partitioner import Plan, Profile, format_bytes
 from partitioner.pipedream import DATA_DIR
+from pipetrain.runtime.planning import layer_signature
 from pipetrain.tools.cli import main
-from pipetrain.tools.planning import layer_signature
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "examples.models:resnet_like"

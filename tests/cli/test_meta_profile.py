@@ -1,4 +1,4 @@
-"""Profiling a model built on the meta device (pipetrain/observe/meta_profile.py): bytes from
+"""Profiling a model built on the meta device (pipetrain/tools/meta_profile.py): bytes from
 shapes, times from one materialized layer at a time, a run of identical blocks timed once when asked
 (and said so in the profile)."""
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from partitioner import LayerCost, Profile
-from pipetrain.observe.profiler import ProfileNoiseWarning, profile
 from pipetrain.tools.cli import main
+from pipetrain.tools.profiler import ProfileNoiseWarning, profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

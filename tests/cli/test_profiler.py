@@ -1,4 +1,4 @@
-"""pipetrain.observe.profiler.profile: what it records per layer, and that it leaves the model
+"""pipetrain.tools.profiler.profile: what it records per layer, and that it leaves the model
 alone."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from examples.models import resnet_like
-from pipetrain.observe.profiler import profile
-from pipetrain.tools.planning import layer_signature
+from pipetrain.runtime.planning import layer_signature
+from pipetrain.tools.profiler import profile
 from tests.runtime.models import mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

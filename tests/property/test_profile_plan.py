@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import partitioner
-from pipetrain.observe.meta_profile import profile
-from pipetrain.observe.profiler import ProfileNoiseWarning
 from pipetrain.tools import cli
+from pipetrain.tools.meta_profile import profile
+from pipetrain.tools.profiler import ProfileNoiseWarning
 from schedules.registry import lookup
 from tests.property.model_space import (
     BATCH,

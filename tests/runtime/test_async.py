@@ -56,7 +56,7 @@ def _train(world: int, devices: bool, optimizer=sgd, steps: int = STEPS, **optio
         stage.versions.record = True
     data = batches(steps)
     with caller:
-        losses = [pipe.train_step(x, y) for x, y in data]
+        losses = [float(pipe.train_step(x, y)) for x, y in data]
         in_flight = pipe.in_flight
         output = pipe.eval_step(data[0][0])  # flushes first
     return {

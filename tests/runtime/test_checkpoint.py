@@ -174,6 +174,20 @@ def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_asked(tmp_pa
     restart.check_start(tmp_path / "new")  # no folder yet: a new run
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_the_run_start_or_resume_chose_saves_there_every_checkpoint_every_steps(tmp_path, resume):
+    """The folder start_or_resume started (or resumed) the run in becomes the pipeline's
+    checkpoint_dir: train_step's own periodic saves go there (what ``pipetrain train`` uses)."""
+    if resume:
+        _save_at(pipeline(mlp(), [6, 6]), tmp_path, 1)
+    pipe = pipeline(mlp(), [6, 6], checkpoint_every=2)
+    assert pipetrain.start_or_resume(pipe, tmp_path, resume=resume) == (1 if resume else None)
+    for x, y in batches(4 - pipe.step):
+        pipe.train_step(x, y)
+    assert pipe.config.checkpoint_dir == tmp_path
+    assert _names(tmp_path) == ["step-00000002", "step-00000004"]  # the run's own, pruned to 2
+
+
 def _start(rank: int, world: int, folder: str, restarted_rank: int | None) -> int | None:
     """start_or_resume on 2 replicas of a one-stage pipeline; rank 1 comes late (it would see
     rank 0's fresh step 0 if it looked at the folder alone), ``restarted_rank`` alone is told

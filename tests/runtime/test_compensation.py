@@ -224,7 +224,7 @@ def _train(devices: bool, name: str, schedule: str = "pipedream", steps: int = 4
         optimizer=sgd, timeout=60, devices=["cpu"] * 2 if devices else None,
         **PIPELINE_CONFIGS.get(name, {}),
     )
-    losses = [pipe.train_step(x, y) for x, y in batches(steps)]
+    losses = [float(pipe.train_step(x, y)) for x, y in batches(steps)]
     pipe.flush()
     return {"losses": losses, "state": pipe.module.state_dict()}
 

@@ -66,7 +66,7 @@ def _train(model: nn.Sequential, balance: list[int], data, loss_fn=nn.functional
         model, balance, chunks=CHUNKS, devices=["cpu"] * len(balance), loss_fn=loss_fn,
         optimizer=sgd, timeout=60, **options,
     )
-    losses = [pipe.train_step(x, y) for x, y in data]
+    losses = [float(pipe.train_step(x, y)) for x, y in data]
     return {"state": pipe.module.state_dict(), "losses": losses, "schedule": pipe.schedule}
 
 

@@ -6,7 +6,7 @@ Checked against references written here: the update's equations by hand (float64
 about 1e-7 of the step; a wrong term moves it by far more), a late stage's update (stashed
 weights of the right version, float32, 1e-6), lag 0 against torch's own NAdam in one process on
 a GPT (1e-6: the pipeline runs the same operations, in float32), the Pipeline against
-DelayedPipeline (1e-5, as tests/runtime/test_delayed.py), and a checkpoint resumed mid-run
+DelayedPipeline (1e-5, as tests/benchmarks/test_delayed.py), and a checkpoint resumed mid-run
 (bit-identical, and not so when the optimizer's state is left out of the checkpoint)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import pipetrain
+from benchmarks.delayed import DelayedPipeline
 from examples.models import gpt, lm_loss
 from pipetrain.checkpoints import checkpointing
 from pipetrain.optim import nadamw
-from pipetrain.training.delayed import DelayedPipeline
 from tests.runtime.models import batches, mlp
 
 LR, MU, BETA2, EPS, DECAY, WARMUP = 0.01, 0.99, 0.999, 1e-8, 0.1, 0.004

@@ -84,7 +84,7 @@ def test_plan_drives_an_in_process_pipeline(plan_path):
         loss_fn=nn.functional.cross_entropy,
         optimizer=sgd,
     )
-    plan = pipetrain.tools.planning.load_plan(plan_path, model())
+    plan = pipetrain.runtime.planning.load_plan(plan_path, model())
     assert pipe.balance == plan.balance and pipe.chunks == CHUNKS
     assert pipe.schedule.name == "1f1b"
     losses = [pipe.train_step(x, y) for x, y in data()]

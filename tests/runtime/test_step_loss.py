@@ -1,42 +1,45 @@
-"""The loss train_step returns: a device tensor that number-minded code takes as a number."""
+"""The loss train_step returns: a plain 0-d float64 tensor, read only when the caller reads it."""
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 
 import pytest
 import torch
+from torch import nn
 
-from pipetrain.runtime.readback import StepLoss, step_loss
-
-
-def _loss(value: float) -> StepLoss:
-    return step_loss(torch.tensor(value, dtype=torch.float64))
+import pipetrain
+from tests.runtime.models import batches, mlp, reference, sgd
 
 
-def test_a_step_loss_reads_as_a_number() -> None:
-    loss = _loss(1.5)
-    assert f"{loss:.2f}" == "1.50"
-    assert float(loss) == 1.5 and math.isclose(loss, 1.5)
-    assert [loss, _loss(2.0)] == pytest.approx([1.5000001, 2.0], abs=1e-6)
-    assert 1.5000001 == pytest.approx(loss, abs=1e-6)
-    assert not [loss] == pytest.approx([1.6], abs=1e-6)
+def _losses() -> tuple[list[torch.Tensor], list[float]]:
+    data = batches(2)
+    pipe = pipetrain.Pipeline(mlp(), [6, 6], devices=["cpu", "cpu"], chunks=2,
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    return [pipe.train_step(x, y) for x, y in data], reference(mlp(), data)[1]
 
 
-def test_a_step_loss_rounds_as_a_float() -> None:
-    loss = _loss(2.34567)
-    assert round(loss, 3) == 2.346 and type(round(loss, 3)) is float
-    assert round(loss) == 2 and type(round(loss)) is int
-    assert math.trunc(_loss(-2.7)) == -2 and math.floor(loss) == 2 and math.ceil(loss) == 3
+def test_the_loss_is_a_plain_detached_0d_float64_tensor_that_reads_as_a_number() -> None:
+    losses, expected = _losses()
+    loss = losses[0]
+    assert type(loss) is torch.Tensor and loss.dim() == 0 and loss.dtype == torch.float64
+    assert not loss.requires_grad
+    value = float(loss)
+    assert f"{loss:.3f}" == f"{value:.3f}" and loss.item() == value
+    assert bool(loss < value + 1) and not bool(loss > value) and math.isclose(loss, value)
+    assert losses == pytest.approx(expected, abs=1e-6)
+    assert float(loss) == pytest.approx(expected[0], abs=1e-6)
+    assert round(float(loss), 3) == round(expected[0], 3)
+    assert loss.round(decimals=3).item() == pytest.approx(round(expected[0], 3))
+    with pytest.raises(TypeError):  # Python's round() takes no tensor: round float(loss)
+        round(loss, 3)  # type: ignore[call-overload]
 
 
-def test_a_step_loss_saves_as_a_plain_tensor_and_copies_as_itself() -> None:
+def test_the_losses_save_and_load_with_weights_only() -> None:
+    losses, _ = _losses()
     buffer = io.BytesIO()
-    torch.save({"losses": [_loss(1.5)]}, buffer)
+    torch.save({"losses": losses}, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)["losses"][0]
-    assert type(loaded) is torch.Tensor and loaded.item() == 1.5
-    copied = copy.deepcopy(_loss(2.5))
-    assert isinstance(copied, StepLoss) and copied.item() == 2.5
+    loaded = torch.load(buffer, weights_only=True)["losses"]
+    assert [x.item() for x in loaded] == [x.item() for x in losses]

@@ -28,8 +28,8 @@ from torch import nn
 
 import pipetrain
 from partitioner.planner import plan as make_plan
-from pipetrain.observe.profiler import profile
-from pipetrain.tools.planning import layer_signature, load_plan
+from pipetrain.runtime.planning import layer_signature, load_plan
+from pipetrain.tools.profiler import profile
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import reference, sgd
 from tests.runtime.test_schedule_registry import NAME as LIFO

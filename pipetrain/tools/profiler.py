@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from partitioner import LayerCost, Profile
-from pipetrain.tools.planning import layer_signature
+from pipetrain.runtime.planning import layer_signature
 
 # Optimizer state per parameter byte: plain SGD keeps nothing, momentum one buffer, Adam two.
 OPTIMIZER_STATE = {

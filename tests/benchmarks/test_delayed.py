@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.training.delayed import DelayedPipeline
+from benchmarks.delayed import DelayedPipeline
 from tests.runtime.models import batches, mlp, reference, sgd
 
 BALANCE = [2, 3, 4, 3]
@@ -39,7 +39,7 @@ def test_delayed_pipeline_equals_the_pipeline(name, schedule):
         mlp(), BALANCE, chunks=CHUNKS, schedule=schedule, devices=["cpu"] * 4,
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name],
     )
-    losses = [pipe.train_step(x, y) for x, y in data]
+    losses = [float(pipe.train_step(x, y)) for x, y in data]
     delayed = DelayedPipeline(mlp(), BALANCE, schedule=schedule,
                               loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name])
     micro = schedule == "pipedream"

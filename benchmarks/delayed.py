@@ -9,7 +9,7 @@ that order without threads or messages: tick t forwards on each stage s the unit
 stage and updates each. A unit is a micro-batch for "pipedream" (an update each) and a whole
 mini-batch for "pipedream-2bw"; a synchronous schedule name gives lag 0 everywhere (plain
 training, one update per unit). The weights are those of :class:`Pipeline` on the same data
-(tests/runtime/test_delayed.py), at a fraction of the cost: what a sweep over learning rates,
+(tests/benchmarks/test_delayed.py), at a fraction of the cost: what a sweep over learning rates,
 seeds and methods needs (benchmarks/staleness_study.py).
 """
 

@@ -3,7 +3,7 @@
 Bytes come from shapes: parameter bytes from the meta parameters, activation bytes from a
 forward pass on the meta device (no data, no time). Times come from building one layer at a
 time: a copy of the layer is materialized on the device (random values, then its modules'
-``reset_parameters()``), its forward and backward are timed as ``pipetrain.observe.profiler`` times
+``reset_parameters()``), its forward and backward are timed as ``pipetrain.tools.profiler`` times
 them, and the copy is freed before the next layer. With ``reuse_times`` a run of identical
 consecutive layers (same class, structure, tensor shapes and input) is timed once: each later
 layer of the run records the first one's times and names it in ``timed_as``. A layer's input
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from partitioner import LayerCost, Profile
-from pipetrain.observe import profiler
-from pipetrain.tools.planning import layer_signature
+from pipetrain.runtime.planning import layer_signature
+from pipetrain.tools import profiler
 from pipetrain.training.lazy import is_meta, reset_layer
 
 
@@ -30,8 +30,8 @@ def profile(
     model: nn.Sequential, sample_input: object, *, optimizer: str = "adam", warmup: int = 2,
     repeats: int = 5, device: str | torch.device | None = None, reuse_times: bool = False,
 ) -> Profile:
-    """Profile ``model`` per layer (see pipetrain.observe.profiler): a model built on the meta
-    device one layer at a time (this module), any other as pipetrain.observe.profiler does."""
+    """Profile ``model`` per layer (see pipetrain.tools.profiler): a model built on the meta
+    device one layer at a time (this module), any other as pipetrain.tools.profiler does."""
     if not (isinstance(model, nn.Sequential) and is_meta(model)):
         if reuse_times:
             raise ValueError(
@@ -48,7 +48,7 @@ def profile(
 
 def _check(model: nn.Sequential, sample_input: object, optimizer: str, warmup: int,
            repeats: int) -> int:
-    """The batch size; the same refusals as pipetrain.observe.profiler."""
+    """The batch size; the same refusals as pipetrain.tools.profiler."""
     if len(model) == 0:
         raise ValueError("the model has no layers to profile")
     if optimizer not in profiler.OPTIMIZER_STATE:
