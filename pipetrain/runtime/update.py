@@ -224,15 +224,15 @@ class Update:
                     continue
                 # fp32 norms of every gradient, as clip_grad_norm_ computes them
                 norms = torch.stack(torch._foreach_norm(part, 2.0, dtype=torch.float32))
-                square = torch.dot(norms, norms).to(self.device).double()
-                # each replica adds 1/replicas of a whole gradient, its own shard's whole
-                entries[stage.index] = entries[stage.index] + square / (
-                    1 if shards else self.replicas
-                )
+                square = torch.dot(norms, norms).to(self.device)
+                if not shards and self.replicas > 1:  # each replica adds 1/replicas of it
+                    square = square.double() / self.replicas
+                before = entries[stage.index]  # a shard's square: each replica adds its own
+                entries[stage.index] = square if before is self._zero else before + square
             if stage.is_last and stage.losses:
                 losses = torch.stack(list(stage.losses.values()))
                 mean = losses.mean(dtype=torch.float64).to(self.device)
-                entries[self.count] = mean / self.replicas
+                entries[self.count] = mean / self.replicas if self.replicas > 1 else mean
         return self.reduce(torch.stack(entries).double())
 
 
