@@ -37,12 +37,11 @@ def decay(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
 
 
-def single_process() -> dict[str, torch.Tensor]:
-    """The same 3 steps in one process: the whole batch, clip_grad_norm_, then the step."""
-    model = mlp()
+def single_process(model: nn.Module, data: list) -> dict[str, torch.Tensor]:
+    """The same steps in one process: the whole batch, clip_grad_norm_, then the step."""
     opt = adamw(model.parameters())
     schedule = decay(opt)
-    for x, y in batches(STEPS):
+    for x, y in data:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -92,7 +91,7 @@ def _train_each_level(rank: int, world: int, replicas: int) -> dict[int, dict]:
 
 
 def _check(results: list[dict[int, dict]], replicas: int) -> None:
-    expected = single_process()
+    expected = single_process(mlp(), batches(STEPS))
     for ranks in results:
         base = ranks[0]
         assert min(base["norms"]) > CLIP  # the clip was in force at every step
@@ -327,26 +326,13 @@ def _tied(rank: int, world: int) -> dict[int | str, dict]:
     return out
 
 
-def _tied_single_process() -> dict[str, torch.Tensor]:
-    model = tied_model()
-    opt = adamw(model.parameters())
-    schedule = decay(opt)
-    for x, y in token_batches(STEPS):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        schedule.step()
-    return model.state_dict()
-
-
 def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_process():
     """The embedding (stage 0) and the head (stage 1) share a weight: at zero 2 and 3 each
     copy stays whole on its replicas, its gradient summed over both stages' ranks of both
     replicas, while the rest of each stage is sharded; both copies equal zero 0's (1e-6) and
     single-process training's (1e-5). Built on the meta device, and under interleaved stages,
     zero 3 equals zero 0 too."""
-    expected = _tied_single_process()
+    expected = single_process(tied_model(), token_batches(STEPS))
     results = values(run_ranks(_tied, 4, deadline=400))
     for got in results:
         assert min(got[0]["norms"]) > CLIP
