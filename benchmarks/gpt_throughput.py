@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ranks import spawn_ranks
+from timing import round_robin
 from torch import nn
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
@@ -146,7 +147,6 @@ class _Torch:
 
 
 def _rank(rank: int, port: int, rounds: int, steps: int, names: list[str], out: dict) -> None:
-    import time
 
     from pipetrain.runtime.distributed import pin_to_cores
 
@@ -167,16 +167,7 @@ def _rank(rank: int, port: int, rounds: int, steps: int, names: list[str], out: 
     for variant in variants.values():  # warm-up (torch's first step infers shapes)
         for _ in range(2):
             variant.step()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                variants[name].step()
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                times[name].append(float(took))
+    times = round_robin({name: v.step for name, v in variants.items()}, rounds, steps)
     out.update({name: statistics.median(values) for name, values in times.items()})
     dist.barrier()
     dist.destroy_process_group()

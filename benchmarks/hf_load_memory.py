@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ranks import free_port
 
 
 def status(field: str) -> int:
@@ -67,12 +67,6 @@ def _rank(rank: int, port: int, args: argparse.Namespace, folder: str, results) 
     dist.barrier()
     results.put((rank, before, peak, stage))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

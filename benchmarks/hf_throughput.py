@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ranks import spawn_ranks
+from timing import round_robin
 from torch import nn
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -147,7 +148,6 @@ def user_lines(library: str) -> int:
 
 
 def _rank(rank: int, port: int, rounds: int, steps: int, results) -> None:
-    import time
 
     from pipetrain.runtime.distributed import pin_to_cores
 
@@ -165,17 +165,7 @@ def _rank(rank: int, port: int, rounds: int, steps: int, results) -> None:
     for variant in variants.values():  # warm-up (torch's first step infers shapes)
         for _ in range(2):
             variant.step()
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                variants[name].step()
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                times[name].append(float(took))
+    times = round_robin({name: v.step for name, v in variants.items()}, rounds, steps)
     dist.barrier()
     if rank == 0:
         results.put({name: statistics.median(values) for name, values in times.items()})

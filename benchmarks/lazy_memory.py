@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ranks import free_port
 
 import pipetrain
 import pipetrain.tools.cli
@@ -98,12 +98,6 @@ def measure(target, count: int, *args) -> list[tuple[int, int, int]]:
         if p.exitcode != 0:
             raise SystemExit(f"a measuring process failed (exit code {p.exitcode})")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

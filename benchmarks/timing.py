@@ -50,3 +50,26 @@ def slowest(times: Sequence[float]) -> list[float]:
     worst = torch.tensor(list(times), dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.tolist()
+
+
+def round_robin(
+    steps: dict[str, Callable[[], object]], rounds: int, repeats: int
+) -> dict[str, list[float]]:
+    """Per variant, the slowest rank's time of each of its steps: ``rounds`` rounds, each
+    running every variant ``repeats`` times in :func:`rotation` order, a barrier before each
+    step (every rank of the default process group calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in rotation(names, r):
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                steps[name]()
+                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times[name].append(float(took))
+    return times
