@@ -13,6 +13,7 @@ from pathlib import Path
 from setuptools.config.pyprojecttoml import read_configuration
 
 import pipetrain
+from benchmarks.code_shape import ROOMS, back_arrows, room_imports
 from pipetrain.observe import progress
 from pipetrain.tools.cli import main
 
@@ -90,42 +91,13 @@ def test_the_tree_groups_every_module():
     assert groups == {"runtime", "training", "checkpoints", "observe", "tools", "hf"}
 
 
-ROOMS = (("observe", "training"), ("checkpoints",), ("runtime",), ("tools",), ("hf",))
-
-
-def _room_imports() -> list[tuple[str, str, str]]:
-    """(from room, to room, file) for each module-level import of one of pipetrain's
-    subpackages by a module of another; imports inside functions and under TYPE_CHECKING
-    (annotations only) are not module-level."""
-    rooms = {room for layer in ROOMS for room in layer}
-    found = []
-    for path in sorted((ROOT / "pipetrain").rglob("*.py")):
-        here = path.relative_to(ROOT / "pipetrain").parts[0]
-        if here not in rooms:
-            continue
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "pipetrain" and len(parts) > 1 and parts[1] in rooms - {here}:
-                    found.append((here, parts[1], str(path.relative_to(ROOT))))
-    return found
-
-
 def test_the_rooms_of_pipetrain_only_point_down():
     """pipetrain's subpackages form layers (ROOMS, lowest first): a module imports, at module
     level, only rooms of lower layers, so no import runs back up and no two rooms need each
     other. observe and training share the lowest layer and import neither each other."""
     layer = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
-    imports = _room_imports()
-    assert imports, "no import between rooms found: the parse is broken"
-    up = sorted({f"{file}: {here} -> {there}" for here, there, file in imports
-                 if layer[there] >= layer[here]})
+    assert room_imports(), "no import between rooms found: the parse is broken"
+    up = back_arrows()
     assert not up, up
     groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
     assert groups == set(layer)

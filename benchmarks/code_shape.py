@@ -1,0 +1,190 @@
+"""The shape of the code, as issue 39 asks it measured: lines per room, the longest
+constructors, imports between pipetrain's rooms that run back up, and the walk of one training
+step (the pipetrain files on the stack at each point where the step touches ``x`` or the
+weights, from ``Pipeline.train_step`` down).
+
+    python benchmarks/code_shape.py
+
+Static figures read the source (``ast``); the walk runs one step of a 2-layer MLP as a
+single-rank gloo job in this process (one stage: the walk of ``x`` to the optimizer, the same
+files a stage of a longer pipeline takes, sends and receives aside).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = (("observe", "training"), ("checkpoints",), ("runtime",), ("tools",), ("hf",))
+"""pipetrain's subpackages in layers, lowest first: a module imports only lower layers."""
+
+
+def _sources(folder: Path) -> Iterator[Path]:
+    return iter(sorted(folder.rglob("*.py")))
+
+
+def lines_per_room() -> dict[str, int]:
+    """Lines of each subpackage of pipetrain (and of the two torch-free packages)."""
+    rooms: dict[str, int] = {}
+    for path in _sources(ROOT / "pipetrain"):
+        parts = path.relative_to(ROOT / "pipetrain").parts
+        room = parts[0] if len(parts) > 1 else "(top)"
+        rooms[room] = rooms.get(room, 0) + len(path.read_text().splitlines())
+    for package in ("schedules", "partitioner"):
+        rooms[package] = sum(len(p.read_text().splitlines()) for p in _sources(ROOT / package))
+    return rooms
+
+
+def constructors(folder: str = "pipetrain") -> list[tuple[int, str]]:
+    """(parameter count, "file:Class") of every ``__init__`` under ``folder``, ``self`` not
+    counted, ``*args`` and ``**kwargs`` one each; longest first."""
+    found = []
+    for path in _sources(ROOT / folder):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    count = len(args.posonlyargs) + len(args.args) - 1 + len(args.kwonlyargs)
+                    count += (args.vararg is not None) + (args.kwarg is not None)
+                    found.append((count, f"{path.relative_to(ROOT)}:{node.name}"))
+    return sorted(found, reverse=True)
+
+
+def room_imports() -> list[tuple[str, str, str]]:
+    """(from room, to room, file) for each module-level import of one of pipetrain's
+    subpackages by a module of another; imports inside functions and under TYPE_CHECKING
+    (annotations only) are not module-level."""
+    rooms = {room for layer in ROOMS for room in layer}
+    found = []
+    for path in _sources(ROOT / "pipetrain"):
+        here = path.relative_to(ROOT / "pipetrain").parts[0]
+        if here not in rooms:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "pipetrain" and len(parts) > 1 and parts[1] in rooms - {here}:
+                    found.append((here, parts[1], str(path.relative_to(ROOT))))
+    return found
+
+
+def back_arrows() -> list[str]:
+    """The imports of :func:`room_imports` that point to the same or a higher layer."""
+    layer = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
+    return sorted({f"{file}: {here} -> {there}" for here, there, file in room_imports()
+                   if layer[there] >= layer[here]})
+
+
+def _stack_files() -> list[str]:
+    """The pipetrain and schedules files on the caller's stack, outermost first, from
+    pipeline.py's train_step on, consecutive repeats merged."""
+    files: list[str] = []
+    started = False
+    for frame in traceback.extract_stack()[:-2]:
+        path = Path(frame.filename)
+        if not path.is_relative_to(ROOT) or "benchmarks" in path.parts:
+            continue
+        started = started or frame.name == "train_step"
+        name = str(path.relative_to(ROOT))
+        if started and (not files or files[-1] != name):
+            files.append(name)
+    return files
+
+
+def walk() -> list[tuple[str, list[str]]]:
+    """(event, files on the stack) at the step's touches of ``x`` and the weights: ``x``
+    checked, split into micro-batches, the first layer's forward and backward, the optimizer
+    step."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import pipetrain
+    from pipetrain.runtime import microbatch
+
+    events: list[tuple[str, list[str]]] = []
+
+    def note(event: str) -> None:
+        if not any(e == event for e, _ in events):
+            events.append((event, _stack_files()))
+
+    def noting(event: str, function: Any) -> Any:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            note(event)
+            return function(*args, **kwargs)
+        return noted
+
+    microbatch.check_batches = noting("x checked", microbatch.check_batches)
+    microbatch.scatter = noting("x split", microbatch.scatter)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        model[0].register_forward_pre_hook(lambda *_: note("first layer forward"))
+        model[0].register_full_backward_pre_hook(lambda *_: note("first layer backward"))
+        pipe = pipetrain.Pipeline(
+            model, [2], chunks=2, loss_fn=nn.functional.cross_entropy,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        )
+        for stage in pipe.stages:
+            assert stage.optimizer is not None
+            stage.optimizer.register_step_pre_hook(lambda *_: note("optimizer step"))
+        pipe.train_step(torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    finally:
+        dist.destroy_process_group()
+    return events
+
+
+def _walk_summary(events: list[tuple[str, list[str]]]) -> tuple[list[str], int]:
+    """The files entered along the walk in order (each stack after the part it shares with
+    the previous one) and how many times the walk enters a file it has already left."""
+    path: list[str] = []
+    previous: list[str] = []
+    for _, stack in events:
+        shared = 0
+        while shared < min(len(stack), len(previous)) and stack[shared] == previous[shared]:
+            shared += 1
+        path += stack[shared:] if path else stack
+        previous = stack
+    returns = sum(1 for i, f in enumerate(path) if f in path[:i] and path[i - 1] != f)
+    return path, returns
+
+
+def main() -> None:
+    print("| room | lines |\n|---|---:|")
+    for room, count in lines_per_room().items():
+        print(f"| {room} | {count} |")
+    print("\n| constructor (pipetrain/) | parameters |\n|---|---:|")
+    for count, name in constructors()[:5]:
+        print(f"| {name} | {count} |")
+    arrows = back_arrows()
+    print(f"\nimports between rooms: {len(room_imports())}, running back up: {len(arrows)}")
+    for arrow in arrows:
+        print(f"  {arrow}")
+    events = walk()
+    path, returns = _walk_summary(events)
+    print("\nthe walk of a training step (files on the stack at each event):")
+    for event, stack in events:
+        print(f"  {event}: {' > '.join(stack)}")
+    print(f"files along the walk: {len(path)} ({len(set(path))} distinct), re-entries: {returns}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
