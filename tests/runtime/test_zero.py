@@ -127,8 +127,9 @@ def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas(sch
 
 
 @pytest.mark.slow
-def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas():
-    results = values(run_ranks(_train_each_level, 8, 4, deadline=900))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
+def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas(schedule):
+    results = values(run_ranks(_train_each_level, 8, 4, schedule, deadline=900))
     _check(results, 4)
 
 
@@ -301,7 +302,8 @@ def _refusals(rank: int, world: int) -> list[str]:
 def _tied(rank: int, world: int) -> dict[int | str, dict]:
     """A weight tied across the two stages (embedding and head), zero 0 to 3, 3 steps: the
     whole parameters, the gradient norms, and whether the tied copy stayed whole here; and
-    zero 0 and 3 on a model built on the meta device, and under interleaved stages."""
+    zero 0 and 3 on a model built on the meta device, under interleaved stages and under
+    zb-h2."""
     out: dict[int | str, dict] = {}
     for zero in (0, 1, 2, 3):
         pipe = pipetrain.Pipeline(
@@ -322,6 +324,7 @@ def _tied(rank: int, world: int) -> dict[int | str, dict]:
         # interleaved: the embedding on stage 0 (rank 0), the head on stage 3 (rank 1)
         "meta": ([3, 3], dict(init_seed=3)),
         "interleaved": ([1, 2, 2, 1], dict(schedule="interleaved", chunks=4)),
+        "zero bubble": ([3, 3], dict(schedule="zb-h2")),  # the tie's all-reduce, W, FSDP2
     }
     for name, (balance, options) in variants.items():
         for zero in (0, 3):
@@ -341,8 +344,8 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
     """The embedding (stage 0) and the head (stage 1) share a weight: at zero 2 and 3 each
     copy stays whole on its replicas, its gradient summed over both stages' ranks of both
     replicas, while the rest of each stage is sharded; both copies equal zero 0's (1e-6) and
-    single-process training's (1e-5). Built on the meta device, and under interleaved stages,
-    zero 3 equals zero 0 too."""
+    single-process training's (1e-5). Built on the meta device, under interleaved stages and
+    under zb-h2, zero 3 equals zero 0 too."""
     expected = single_process(tied_model(), token_batches(STEPS))
     results = values(run_ranks(_tied, 4, deadline=400))
     for got in results:
@@ -355,7 +358,7 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
                 assert (value - expected[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
         for zero in (2, 3):
             assert got[zero]["tied whole"] and got[zero]["sharded"]
-        for name in ("meta", "interleaved"):
+        for name in ("meta", "interleaved", "zero bubble"):
             for key, value in got[f"{name} 3"].items():
                 assert (value - got[f"{name} 0"][key]).abs().max().item() <= AGAINST_ZERO, key
         for key, value in got["interleaved 0"].items():  # another split, the same training
