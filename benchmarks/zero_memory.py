@@ -3,14 +3,15 @@ resident growth of one training step, for 2 stages x 2 and x 4 replicas.
 
     PYTHONPATH=. python benchmarks/zero_memory.py                  # GPT, dim 256, 8 blocks
     PYTHONPATH=. python benchmarks/zero_memory.py --dim 64 --blocks 2 --replicas 2   # quick
+    PYTHONPATH=. python benchmarks/zero_memory.py --replicas 2 --schedule zb-h1   # split W
 
 Fresh gloo processes for every row (2 x replicas of them, one thread each) build the example
 GPT (examples.models.gpt, untied head: at ZeRO 2 and 3 a tied one stays whole) on the
 meta device, each rank materializing its own stage (``init_seed``; at zero 2 and 3 one layer at
 a time, each sharded before the next), split evenly in 2 stages, and train it with AdamW, 1F1B
-and 4 micro-batches. The build's growth is the peak resident set while ``Pipeline`` is
-constructed minus the resident set before. After 3 steps each rank counts the bytes of
-the tensors it holds between steps: its weights (the local shard of a sharded one), their
+(or ``--schedule``) and 4 micro-batches. The build's growth is the peak resident set while
+``Pipeline`` is constructed minus the resident set before. After 3 steps each rank counts the
+bytes of the tensors it holds between steps: its weights (the local shard of a sharded one), their
 ``.grad`` and its optimizer's state (ZeroRedundancyOptimizer's: the local optimizer's). The
 step's growth is the peak resident set (VmHWM, reset through /proc/self/clear_refs just before)
 of a fourth step minus the resident set (VmRSS) just before it, after glibc's ``malloc_trim``
@@ -89,7 +90,7 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
     pipe = pipetrain.Pipeline(
         model, [half, len(model) - half], chunks=4, replicas=replicas, zero=zero,
         loss_fn=lm_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), timeout=300,
-        init_seed=0,
+        init_seed=0, schedule=args.schedule,
     )
     built = _kib("VmHWM") - start
     g = torch.Generator().manual_seed(pipe.placement.replica)
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per replica")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schedule", default="1f1b", help="a synchronous schedule")
     args = parser.parse_args()
     # glibc: every tensor of 128 KiB or more its own mapping, returned when freed, so that the
     # peak resident set counts what a step holds at once (by default glibc raises this
@@ -127,7 +129,8 @@ def main() -> None:
     params = sum(p.numel() for p in gpt(dim=args.dim, blocks=args.blocks, heads=4,
                                         context=args.context, tied=False).parameters())
     print(f"example GPT, dim {args.dim}, {args.blocks} blocks ({params / 1e6:.1f}M params, "
-          f"{params * 4 / MiB:.0f} MiB of fp32 weights), 2 stages, AdamW, 1F1B, 4 micro-batches "
+          f"{params * 4 / MiB:.0f} MiB of fp32 weights), 2 stages, AdamW, {args.schedule}, "
+          f"4 micro-batches "
           f"of {args.batch // 4} x {args.context} tokens per replica, gloo, 1 thread per process")
     print("\n| replicas | zero | weights MiB | gradients MiB | optimizer MiB | "
           "optimizer / zero 0 | step growth MiB | build growth MiB |"

@@ -23,7 +23,9 @@ Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight`
 
 ``weights`` is parameters + gradients (same size) + optimizer state, each divided by the stage's
 replicas where ``zero`` shards it (1: the optimizer state; 2: and the gradients; 3: and the
-parameters: ZeRO, pipetrain/runtime/sharding.py); ``cut_bytes[i]`` is what the
+parameters: ZeRO, pipetrain/runtime/sharding.py), except that at 2 and 3 a tied weight
+(``tied_bytes``: held by another layer too) stays whole with its gradient and optimizer state,
+as the runtime keeps a weight tied across stages; ``cut_bytes[i]`` is what the
 stage receives (its input, kept for backward); with recomputation ("always", c = 1 above) only
 that input is kept per micro-batch and one micro-batch's activations are rebuilt at a time, in
 its backward, which runs the stage's forward again. ``checkpoint="auto"`` lets each stage take
@@ -99,6 +101,7 @@ class Problem:
     weight_bytes: np.ndarray  # (L,) int64: parameters + gradients + optimizer state
     activation_bytes: np.ndarray  # (L,) int64
     param_bytes: np.ndarray  # (L,) int64, what a replicated stage all-reduces
+    tied_bytes: np.ndarray  # (L,) int64, the part of param_bytes another layer holds too
     cut_bytes: np.ndarray  # (L + 1,) int64
     allowed: np.ndarray  # (L + 1,) bool
     inflight: tuple[int, ...]  # (S,)
@@ -169,6 +172,7 @@ def make_problem(
     weight_bytes: Values | None = None,
     activation_bytes: Values | None = None,
     param_bytes: Values | None = None,
+    tied_bytes: Values | None = None,
     cut_bytes: Values | None = None,
     allowed: Sequence[bool] | np.ndarray | None = None,
     inflight: Sequence[int] | None = None,
@@ -184,7 +188,8 @@ def make_problem(
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
     resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
     ``weight_gradient`` is the part of each layer's backward that computes weight gradients
-    (zero when omitted: the whole backward is input gradient). ``checkpoint``: "never",
+    (zero when omitted: the whole backward is input gradient); ``tied_bytes`` the part of
+    each layer's ``param_bytes`` that another layer holds too. ``checkpoint``: "never",
     "always" or "auto" (True and False: "always" and "never")."""
     n = len(forward)
     if n < 1:
@@ -199,6 +204,10 @@ def make_problem(
     wgrad = _layer_array(weight_gradient, n, float, "weight_gradient")
     if (wgrad > bwd).any():
         raise ValueError("weight_gradient is part of backward: it cannot exceed it")
+    params = _layer_array(param_bytes, n, np.int64, "param_bytes")
+    tied = _layer_array(tied_bytes, n, np.int64, "tied_bytes")
+    if (tied > params).any():
+        raise ValueError("tied_bytes is part of param_bytes: it cannot exceed it")
     cuts, ok = _cut_arrays(cut_bytes, allowed, n)
     if microbatches < 1:
         raise ValueError(f"a step needs at least one micro-batch, got {microbatches}")
@@ -225,7 +234,8 @@ def make_problem(
         weight_gradient=wgrad,
         weight_bytes=_layer_array(weight_bytes, n, np.int64, "weight_bytes"),
         activation_bytes=_layer_array(activation_bytes, n, np.int64, "activation_bytes"),
-        param_bytes=_layer_array(param_bytes, n, np.int64, "param_bytes"),
+        param_bytes=params,
+        tied_bytes=tied,
         cut_bytes=cuts,
         allowed=ok,
         inflight=tuple(flight),
@@ -292,6 +302,7 @@ def problem_from_profile(
         weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
         activation_bytes=act,
         param_bytes=[layer.param_bytes for layer in layers],
+        tied_bytes=[layer.tied_bytes for layer in layers],
         cut_bytes=cut,
         allowed=allowed,
         inflight=inflight(schedule, stages, microbatches, virtual_stages),
@@ -335,12 +346,18 @@ def link_time(problem: Problem, stage: int) -> np.ndarray:
 def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
     """Per layer, the parameter, gradient and optimizer bytes one device of a stage on
     ``replicas`` replicas holds: what ``problem.zero`` shards is divided by them (rounded
-    up)."""
+    up). At 2 and 3 a tied weight, its gradient and its optimizer state (its share of the
+    layer's, by bytes) stay whole: the runtime keeps a weight tied across stages out of the
+    shards. The planner cannot tell here whether the layers sharing it land on one stage
+    (where the runtime would not keep it whole), so it counts it whole wherever it is."""
     params = problem.param_bytes
     optimizer = problem.weight_bytes - 2 * params
+    tied = problem.tied_bytes if problem.zero >= 2 else np.zeros_like(params)
+    tied_state = optimizer * tied // np.maximum(params, 1)  # tied is 0 where params is
     divisors = [replicas if problem.zero >= level else 1 for level in (3, 2, 1)]
-    held: np.ndarray = sum(
-        -(-part // d) for part, d in zip((params, params, optimizer), divisors, strict=True)
+    sharded = (params - tied, params - tied, optimizer - tied_state)
+    held: np.ndarray = 2 * tied + tied_state + sum(
+        -(-part // d) for part, d in zip(sharded, divisors, strict=True)
     )
     return held.astype(np.int64)
 

@@ -22,7 +22,10 @@ JSON format (``version`` 1)::
     }
 
 A layer may also carry ``"timed_as": "NAME"``: its times are those measured on the layer NAME
-(an identical block earlier in the same run, timed once by a profile of a meta-device model).
+(an identical block earlier in the same run, timed once by a profile of a meta-device model),
+and ``"tied_bytes": N`` (0 when absent): N of its ``param_bytes`` are weights that another
+layer holds too (a token embedding and the head reading it), which ZeRO 2 and 3 keep whole on
+every replica when the two layers are on different stages.
 
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
@@ -58,7 +61,8 @@ class LayerCost:
     (slowest - fastest) / median of the timed repeats' forward + backward (0: one repeat, or
     not measured), large when the machine was busy while profiling. ``timed_as`` names the
     layer whose measured times this one reuses (an identical block earlier in the same run of
-    blocks, timed once), or is None where the layer was timed itself.
+    blocks, timed once), or is None where the layer was timed itself. ``tied_bytes``: the part
+    of ``param_bytes`` that another layer holds too (a tied weight).
     """
 
     name: str
@@ -70,6 +74,7 @@ class LayerCost:
     optimizer_state_bytes: int = 0
     spread: float = 0.0
     timed_as: str | None = None
+    tied_bytes: int = 0
 
     def __post_init__(self) -> None:
         for what in ("forward", "backward"):
@@ -77,9 +82,15 @@ class LayerCost:
                 raise ValueError(f"layer {self.name!r}: {what} time must be >= 0 seconds")
         if not self.spread >= 0:
             raise ValueError(f"layer {self.name!r}: spread must be >= 0, got {self.spread}")
-        for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes"):
+        for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes",
+                     "tied_bytes"):
             if getattr(self, what) < 0:
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0")
+        if self.tied_bytes > self.param_bytes:
+            raise ValueError(
+                f"layer {self.name!r}: tied_bytes ({self.tied_bytes}) is part of param_bytes "
+                f"({self.param_bytes}): it cannot exceed it"
+            )
 
 
 @dataclass(frozen=True)
@@ -182,10 +193,13 @@ class Profile:
 
 
 def _layer_dict(layer: LayerCost) -> dict[str, Any]:
-    """A layer as JSON; ``timed_as`` only where times were reused (files stay as they were)."""
+    """A layer as JSON; ``timed_as`` only where times were reused, ``tied_bytes`` only where
+    weights are tied (files stay as they were)."""
     data = asdict(layer)
     if data["timed_as"] is None:
         del data["timed_as"]
+    if not data["tied_bytes"]:
+        del data["tied_bytes"]
     return data
 
 

@@ -138,19 +138,25 @@ def assemble(
     built = []
     for s in here:
         syncs: list[Sync]
+        sharding = None
         if zero >= 2 and group is not None:
             offset, layers = parts[s][0], StageModule.of(parts[s][1])
             parts[s] = (offset, layers)
             bring_up = partial(_bring_up_layer, source, model, offset, devices[s])
             whole = [p for p in layers.parameters() if id(p) in tied]
-            syncs = [*shared[s], ShardedGradients(layers, group, zero, devices[s],
-                                                  bring_up if by_layer else None, whole)]
+            sharding = ShardedGradients(layers, group, zero, devices[s],
+                                        bring_up if by_layer else None, whole,
+                                        split_backward=schedule.splits_backward)
+            syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]
-        built.append(_build_stage(
+        stage = _build_stage(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
             owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
-        ))
+        )
+        if sharding is not None:  # W adds into the gathered weights FSDP2 swapped in
+            stage.weight_leaves = sharding.leaves
+        built.append(stage)
     return built, ties
 
 

@@ -70,14 +70,6 @@ def refusal(zero: int, schedule: Schedule, cuda_graphs: bool) -> str | None:
             f"zero={zero} with schedule {schedule.name!r} is not supported: the asynchronous "
             "schedules run without data-parallel replicas; use a synchronous schedule"
         )
-    if zero >= 2 and schedule.splits_backward:
-        return (
-            f"zero={zero} with schedule {schedule.name!r} is not supported yet: its split "
-            "backward computes weight gradients (W) in a second pass after the input "
-            "gradients (B), and FSDP2 gathers a layer's weights for one backward pass and "
-            "reduce-scatters when it ends, so W would reach neither (docs/zero.md); use "
-            "zero=1 or a schedule without W (1f1b, gpipe, interleaved-1f1b)"
-        )
     if zero >= 2 and cuda_graphs:
         return (
             f"zero={zero} with cuda_graphs is not supported: a captured graph cannot gather "
@@ -115,29 +107,50 @@ def zero_redundancy(factory: OptimizerFactory, group: dist.ProcessGroup) -> Opti
 
 class ShardedGradients:
     """FSDP2 on one stage's layers (zero 2 or 3), with data_parallel.GradientSync's two calls:
-    ``arm`` before the stage's last backward of the mini-batch (reduce-scatter its gradients
-    there; at zero 2 also free the gathered weights after it), ``finish`` before the step.
-    ``whole``: weights tied across stages, left out of the shards (module docstring).
-    ``bring_up(i)`` gives a meta model's layer i its values just before it is sharded, so a
-    rank holds one whole layer at a time besides its shards."""
+    ``arm`` before the stage's last gradient-making action of the mini-batch, ``finish`` at
+    its step. ``whole``: weights tied across stages, left out of the shards (module
+    docstring). ``bring_up(i)`` gives a meta model's layer i its values just before it is
+    sharded, so a rank holds one whole layer at a time besides its shards.
+
+    Without a split backward, the last backward reduce-scatters as it ends (armed; at zero 2
+    it also frees the gathered weights then). Under ``split_backward`` (zb-h1, zb-h2) B ends
+    each layer's backward pass before W has made its weight gradients, so FSDP2's own
+    post-backward would reduce too early: every layer stays gathered from the mini-batch's
+    first forward to its last W (W adds into the gathered weights' gradients, which
+    :meth:`leaves` names), and ``finish`` runs each layer's post-backward itself, as
+    torch.distributed.pipelining does for FSDP2 (its ``perform_reduce_grad``)."""
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
         bring_up: Callable[[int], object] | None = None,
         whole: Collection[nn.Parameter] = (),
+        split_backward: bool = False,
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
-        self.keep_gathered = zero == 2
+        self.split_backward = split_backward
+        self.keep_gathered = zero == 2 or split_backward
+        # a forward between a B and its W would free the weights W adds into
+        reshard = zero == 3 and not split_backward
         kept = set(whole)  # weights tied across stages: whole on every replica (tied_syncs)
+        shards: list[nn.Module] = []
         for index, layer in enumerate(module.children()):
             if bring_up is not None:
                 bring_up(index)
             if any(p.requires_grad and p not in kept for p in layer.parameters()):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=zero == 3,
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
                             ignored_params=kept or None)
-        fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3,
+                shards.append(layer)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
         self.module: FSDPModule = module  # type: ignore[assignment]
+        self._layers = module  # the same, as an nn.Module
+        self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
+        if split_backward:  # what _reduce reads, there before the first step
+            for part in [module, *shards]:
+                for group in _private(_fsdp_state(part), "_fsdp_param_groups"):
+                    _private(group, "post_backward")
+            _private(_private(_fsdp_state(module), "_state_ctx"), "all_states")
+            _private(_fsdp_state(module), "_root_post_backward_final_callback")
         self._accumulate()
 
     def _accumulate(self) -> None:
@@ -145,16 +158,73 @@ class ShardedGradients:
         self.module.set_requires_gradient_sync(False)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(False)
+        if self.split_backward:  # no backward pass is the mini-batch's last: finish is
+            self.module.set_is_last_backward(False)
 
     def arm(self) -> None:
+        if self.split_backward:  # the reduce-scatter waits for the last W: finish
+            return
         self.module.set_requires_gradient_sync(True)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(True)
 
     def finish(self) -> None:
-        """FSDP2 waited for its reduce-scatters when the last backward ended; back to
-        accumulating for the next mini-batch."""
+        """FSDP2 waited for its reduce-scatters when the last backward ended (under a split
+        backward, they run here, after the last W); back to accumulating for the next
+        mini-batch."""
+        if self.split_backward:
+            self._reduce()
         self._accumulate()
+
+    def leaves(self, weights: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """What W computes the gradients of, for ``weights`` (the stage's parameters): for a
+        sharded one, the gathered parameter that FSDP2 put in its place and the forward
+        read (its gradient is reduce-scattered into the shard's at :meth:`finish`)."""
+        found: list[torch.Tensor] = []
+        for weight in weights:
+            name = self._names.get(id(weight))
+            current = weight if name is None else self._layers.get_parameter(name)
+            if sharded(current):
+                raise RuntimeError(
+                    f"weight {name!r} was resharded before its weight gradients (W) were "
+                    "computed; under a split backward each layer stays gathered until the "
+                    "step (sharding.ShardedGradients)"
+                )
+            found.append(current)
+        return found
+
+    def _reduce(self) -> None:
+        """Each layer's FSDP2 post-backward, now that every W has run: reduce-scatter the
+        whole gradients into the shards' and free the gathered weights; then the root's end
+        of backward (it waits for the reductions and resets FSDP2's state for the next
+        mini-batch)."""
+        self.module.set_is_last_backward(True)
+        self.module.set_reshard_after_backward(True)
+        self.module.set_requires_gradient_sync(True)
+        root = _fsdp_state(self._layers)
+        for state in _private(_private(root, "_state_ctx"), "all_states"):
+            for group in _private(state, "_fsdp_param_groups"):
+                _private(group, "post_backward")()
+        _private(root, "_root_post_backward_final_callback")()
+
+
+def _fsdp_state(module: nn.Module) -> Any:
+    """FSDP2's state of a ``fully_shard``ed ``module``."""
+    return _private(fully_shard, "state")(module)
+
+
+def _private(owner: object, name: str) -> Any:
+    """``owner.name``, a part of FSDP2 that torch keeps private and a split backward needs;
+    its absence (another torch) is an error naming the version."""
+    try:
+        return getattr(owner, name)
+    except AttributeError as error:
+        raise RuntimeError(
+            f"zero=2|3 with a split-backward schedule (zb-h1, zb-h2) needs FSDP2's {name!r} "
+            f"of {type(owner).__name__}, which torch {torch.__version__} lacks (written "
+            "against torch 2.13): use zero=1 or a schedule without W (1f1b, gpipe, "
+            "interleaved-1f1b)"
+        ) from error
 
 
 class Checkpointing:

@@ -183,15 +183,18 @@ class Stage:
         # A layer with weights inside it (a transformer block) would have its insides
         # backpropagated again by W; layers that hold their weights themselves (Linear, Conv,
         # norms) need only their weight gradients there. Weights sharded by FSDP2 (ZeRO 2, 3:
-        # sharding.py) are gathered for one backward pass: W cannot come as a second one; and
-        # autocast keeps no cast of them across micro-batches (with a kept cast, bf16 gradients
-        # came out wrong: tests/runtime/test_zero.py).
+        # sharding.py) are reduce-scattered as the armed last backward's B ends, before this
+        # cut's W (split-backward schedules reduce after their last W instead); and autocast
+        # keeps no cast of them across micro-batches (with a kept cast, bf16 gradients came
+        # out wrong: tests/runtime/test_zero.py).
         sharded = any(isinstance(p, DTensor) for p in self._weights)
         self._weights_at_top = distinct and not sharded and not any(
             p.requires_grad for layer in self.module for child in layer.children()
             for p in child.parameters()
         )
         self._weight_work: dict[int, list[_WeightWork]] = {}
+        # what W computes gradients of, for given weights (sharding.py: FSDP2's gathered ones)
+        self.weight_leaves: Callable[[Sequence[nn.Parameter]], list[torch.Tensor]] = list
         # Asynchronous schedules: which weights each micro-batch reads
         # (pipetrain/training/weights.py).
         self.versions = (
@@ -514,7 +517,9 @@ class Stage:
         work = self._weight_work.pop(microbatch)
         with self._reporting("weight gradients", microbatch):
             for tensors, grads, weights in reversed(work):
-                torch.autograd.backward(tensors, grads, inputs=weights, retain_graph=True)
+                torch.autograd.backward(
+                    tensors, grads, inputs=self.weight_leaves(weights), retain_graph=True
+                )
         if self.ledger:
             self.ledger.release(microbatch)  # the graph goes with ``work``
 

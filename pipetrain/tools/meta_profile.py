@@ -120,6 +120,7 @@ def _profile_meta(
 ) -> Profile:
     batch_size = _check(model, sample_input, optimizer, warmup, repeats)
     names, counts = layer_signature(model)
+    tied = profiler.tied_bytes(model)
     meta = profiler._map(sample_input, lambda t: t.to("meta"))
     real = profiler._map(sample_input, lambda t: t.to(device))
     flags = [t.requires_grad for t in profiler.tensors_of(sample_input)]
@@ -145,6 +146,7 @@ def _profile_meta(
                 activation_bytes=profiler.nbytes(output), param_count=counts[index],
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 optimizer_state_bytes=profiler.OPTIMIZER_STATE[optimizer] * trained,
+                tied_bytes=tied[index],
             )
             if reuse_times and previous is not None and previous[0] == key:
                 timed = previous[1]

@@ -297,7 +297,7 @@ def profile(
     result = Profile(
         device=device_name(where),
         batch_size=batch_size,
-        layers=_layer_costs(runs, counts, outputs, OPTIMIZER_STATE[optimizer]),
+        layers=_layer_costs(runs, counts, outputs, OPTIMIZER_STATE[optimizer], tied_bytes(model)),
         input_bytes=sum(t.numel() * t.element_size() for t in inputs),
     )
     more = max(2 * repeats, 10)
@@ -309,12 +309,27 @@ def profile(
     return result
 
 
+def tied_bytes(model: nn.Sequential) -> list[int]:
+    """Per layer, the bytes of its parameters that another layer holds too (a tied weight, or
+    a layer used at several positions): ZeRO 2 and 3 keep such a weight whole on every
+    replica where the layers holding it are on different stages."""
+    holders: dict[int, int] = {}
+    for layer in model:
+        for p in layer.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return [
+        sum(p.numel() * p.element_size() for p in layer.parameters() if holders[id(p)] > 1)
+        for layer in model
+    ]
+
+
 def _layer_costs(
-    runs: list[_LayerRun], counts: list[int], outputs: list[int], state_factor: int
+    runs: list[_LayerRun], counts: list[int], outputs: list[int], state_factor: int,
+    tied: list[int],
 ) -> list[LayerCost]:
-    """Each timed layer's costs: median times, their spread, output and weight bytes."""
+    """Each timed layer's costs: median times, their spread, output, weight and tied bytes."""
     layers = []
-    for run, count, size in zip(runs, counts, outputs, strict=True):
+    for run, count, size, shared in zip(runs, counts, outputs, tied, strict=True):
         params = list(run.layer.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -328,6 +343,7 @@ def _layer_costs(
                 param_bytes=param_bytes,
                 optimizer_state_bytes=state_factor * trained,
                 spread=spread([f + b for f, b in zip(run.forward, run.backward, strict=True)]),
+                tied_bytes=shared,
             )
         )
     return layers

@@ -10,12 +10,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from partitioner import Plan, Profile, format_bytes
+from partitioner.costs import held_weight_bytes, problem_from_profile
 from partitioner.pipedream import DATA_DIR
 from pipetrain.runtime.planning import layer_signature
 from pipetrain.tools.cli import main
@@ -263,6 +265,40 @@ def test_integer_inputs_profile_a_language_model(tmp_path, capsys):
     assert profile.layers[-1].activation_bytes == 2 * 6 * 50 * 4
     assert profile.layers[0].backward > 0  # the embedding's weights get gradients
     assert all(layer.optimizer_state_bytes == 0 for layer in profile.layers)
+
+
+def test_a_tied_weight_is_profiled_and_planned_whole_under_zero_3(tmp_path, capsys):
+    """The GPT's head reads the token embedding's weight: the profile records those bytes on
+    both layers, and at --zero 3 the planner keeps them whole (weight, gradient and Adam's
+    two moments) while it divides the rest by the replicas, as the runtime does, so the
+    smallest cap grows against the same profile without the tie."""
+    path = tmp_path / "lm.json"
+    kwargs = '{"vocab": 64, "dim": 16, "blocks": 2, "heads": 2, "context": 8}'
+    code, _, err = run(
+        f"profile examples.models:gpt --input-shape 2,8 --input-dtype int64 --input-high 64 "
+        f"--kwargs '{kwargs}' --optimizer adam --warmup 0 --repeats 1 -o {path}",
+        capsys,
+    )
+    assert code == 0, err
+    profile = Profile.load(path)
+    token = 64 * 16 * 4  # the tied weight's fp32 bytes
+    assert [layer.tied_bytes for layer in profile.layers] == [token, 0, 0, token]
+    problem = problem_from_profile(profile, stages=2, microbatches=4, devices=4, zero=3)
+    held = held_weight_bytes(problem, 2)
+    for at in (0, -1):  # the position embedding, the head's norm: divided by 2 replicas
+        rest = profile.layers[at].param_bytes - token
+        assert rest > 0 and held[at] == 4 * token + 4 * (rest // 2)
+    untied = tmp_path / "untied.json"
+    Profile(profile.device, profile.batch_size,
+            [replace(layer, tied_bytes=0) for layer in profile.layers],
+            profile.input_bytes).save(untied)
+    caps = []
+    for file in (path, untied):
+        code, _, err = run(f"plan {file} --stages 2 --microbatches 4 --devices 4 --zero 3 "
+                           "--checkpoint never --memory 1kB", capsys)
+        assert code == 2
+        caps.append(int(re.search(r"smallest memory cap that fits: --memory (\d+)", err)[1]))
+    assert caps[0] > caps[1]
 
 
 def test_module_entry_point_exit_status(tmp_path):

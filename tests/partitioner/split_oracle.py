@@ -22,6 +22,7 @@ class Instance:
     weight_bytes: list[int] = field(default_factory=list)
     activation_bytes: list[int] = field(default_factory=list)
     param_bytes: list[int] = field(default_factory=list)
+    tied_bytes: list[int] = field(default_factory=list)  # part of param_bytes; empty: none
     cut_bytes: list[int] = field(default_factory=list)  # L + 1 positions
     allowed: list[bool] = field(default_factory=list)  # L + 1 positions
     inflight: list[int] = field(default_factory=list)
@@ -40,6 +41,7 @@ class Instance:
             "weight_bytes": self.weight_bytes,
             "activation_bytes": self.activation_bytes,
             "param_bytes": self.param_bytes,
+            "tied_bytes": self.tied_bytes or None,
             "cut_bytes": self.cut_bytes,
             "allowed": self.allowed,
             "inflight": self.inflight,
@@ -86,11 +88,17 @@ def stage_costs(
 
 def held(inst: Instance, i: int, j: int, replicas: int) -> int:
     """Bytes of layers [i, j)'s weights, gradients and optimizer state on one of ``replicas``
-    devices: under ZeRO each sharded part of each layer is split evenly, rounded up."""
+    devices: under ZeRO each sharded part of each layer is split evenly, rounded up; at 2 and
+    3 a tied weight, its gradient and its share of the optimizer state (by bytes, rounded
+    down) are held whole."""
     total = 0
     for k in range(i, j):
         params, everything = inst.param_bytes[k], inst.weight_bytes[k]
-        parts = [(params, 3), (params, 2), (everything - 2 * params, 1)]
+        state = everything - 2 * params
+        tied = inst.tied_bytes[k] if inst.tied_bytes and inst.zero >= 2 else 0
+        tied_state = math.floor(state * tied / params) if tied else 0
+        parts = [(params - tied, 3), (params - tied, 2), (state - tied_state, 1)]
+        total += 2 * tied + tied_state
         total += sum(math.ceil(b / (replicas if inst.zero >= z else 1)) for b, z in parts)
     return total
 

@@ -8,7 +8,7 @@ import pytest
 from split_oracle import Instance, least_memory, optimum, random_instance, stage_costs
 
 from partitioner import InfeasibleError, make_problem, solve
-from partitioner.costs import inflight
+from partitioner.costs import held_weight_bytes, inflight
 from schedules import build, simulate
 
 
@@ -88,6 +88,8 @@ def test_replication_under_zero_matches_brute_force(zero: int) -> None:
         inst = random_instance(rng, max_layers=6, max_stages=3, extra_devices=rng.randint(1, 3))
         inst.zero = zero
         inst.weight_bytes = [2 * p + rng.randint(0, 2000) for p in inst.param_bytes]
+        # some layers hold a weight another layer holds too (whole at zero 2 and 3)
+        inst.tied_bytes = [rng.choice([0, 0, p // 3, p]) for p in inst.param_bytes]
         _with_caps(rng, inst)
         _check(inst)
 
@@ -101,6 +103,29 @@ def test_a_cap_too_small_for_whole_stages_fits_when_replicas_shard_them() -> Non
         solve(make_problem([1.0] * 4, **options))
     split = solve(make_problem([1.0] * 4, **options, zero=1))
     assert split.replicas == (2, 2) and split.peak_memory == 1200
+
+
+def test_a_tied_weight_stays_whole_under_zero_2_and_3() -> None:
+    # 4 layers of 1000 weight bytes (100 of parameters, 800 of optimizer state); layers 0 and
+    # 3 share their whole weight (an embedding and its head), 2 stages on 4 devices. At zero 3
+    # on 2 replicas an untied layer holds 50 + 50 + 400 = 500, a tied one all its 1000 (the
+    # runtime keeps it out of the shards); at zero 1 the tie changes nothing: 100 + 100 + 400
+    options = dict(stages=2, devices=4, weight_bytes=[1000] * 4, param_bytes=[100] * 4)
+    tied = [100, 0, 0, 100]
+    for zero, per_layer in ((1, [600] * 4), (2, [1000, 550, 550, 1000]),
+                            (3, [1000, 500, 500, 1000])):
+        problem = make_problem([1.0] * 4, **options, tied_bytes=tied, zero=zero)
+        assert held_weight_bytes(problem, 2).tolist() == per_layer
+    untied = solve(make_problem([1.0] * 4, **options, zero=3, memory=1000))
+    assert untied.peak_memory == 1000
+    with pytest.raises(InfeasibleError) as err:
+        solve(make_problem([1.0] * 4, **options, tied_bytes=tied, zero=3, memory=1000))
+    assert err.value.smallest_cap == 1500
+    # half of layer 0's weight tied: 50 whole and its 400 of state, the rest divided
+    half = make_problem([1.0] * 4, **options, tied_bytes=[50, 0, 0, 0], zero=3)
+    assert held_weight_bytes(half, 2)[0] == 2 * 50 + 400 + 25 + 25 + 200
+    with pytest.raises(ValueError, match="tied_bytes is part of param_bytes"):
+        make_problem([1.0] * 4, **options, tied_bytes=[101, 0, 0, 0])
 
 
 def test_replication_splits_the_heavy_stage() -> None:

@@ -11,6 +11,7 @@ a mini-batch's contributions are summed).
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import pipetrain
+from pipetrain.runtime.sharding import _private
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, tied_model, token_batches
 
@@ -55,13 +57,15 @@ def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def _train_each_level(rank: int, world: int, replicas: int) -> dict[int, dict]:
+def _train_each_level(
+    rank: int, world: int, replicas: int, schedule: str = "1f1b"
+) -> dict[int, dict]:
     """Per zero level: this rank's whole parameters after the steps, the gradient norms, and
     what it sharded (its parameters' and optimizer state's local elements)."""
     out = {}
     for zero in (0, 1, 2, 3):
         pipe = pipetrain.Pipeline(
-            mlp(), [5, 7], chunks=2, schedule="1f1b", replicas=replicas, zero=zero,
+            mlp(), [5, 7], chunks=2, schedule=schedule, replicas=replicas, zero=zero,
             loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
             clip_grad_norm=CLIP, timeout=60,
         )
@@ -114,14 +118,18 @@ def _check(results: list[dict[int, dict]], replicas: int) -> None:
     assert keys == set(expected)
 
 
-def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas():
-    results = values(run_ranks(_train_each_level, 4, 2, deadline=400))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
+def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas(schedule):
+    """Under 1F1B, and under the split-backward schedules, whose W makes the weight
+    gradients after B: at zero 2 and 3 FSDP2 reduce-scatters after the stage's last W."""
+    results = values(run_ranks(_train_each_level, 4, 2, schedule, deadline=400))
     _check(results, 2)
 
 
 @pytest.mark.slow
-def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas():
-    results = values(run_ranks(_train_each_level, 8, 4, deadline=900))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
+def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas(schedule):
+    results = values(run_ranks(_train_each_level, 8, 4, schedule, deadline=900))
     _check(results, 4)
 
 
@@ -223,7 +231,10 @@ def _options(rank: int, world: int, folder: str) -> dict[str, dict]:
         "bf16": (dict(precision="bf16"), [5, 7], data, (0, 3)),
         "fp16": (dict(precision="fp16"), [5, 7], data, (0, 3)),
         "skip": (dict(), [5, 7], poisoned, (0, 3)),
-        "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1)),
+        "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1, 3)),
+        # W backpropagates the recomputed stage again, through the gathered weights
+        "zero bubble recomputed": (dict(schedule="zb-h1", checkpoint="always"), [5, 7],
+                                   data, (0, 3)),
         "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
         "lazy from a file": (dict(weights=weights), [5, 7], data, (0, 3)),
     }
@@ -254,18 +265,19 @@ def _options(rank: int, world: int, folder: str) -> dict[str, dict]:
 def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_trains_as_zero_0(
     tmp_path,
 ):
-    """zero=3 (zero=1 under zb-h1, where 2 and 3 are refused) against zero=0, 1e-6, and
-    the same evaluation output: under GPipe, interleaved stages, bf16 and fp16 autocast (the
-    same casts of the same weights; fp16's loss scale unscales the shards), a meta-device
-    model materialized per stage (by the init rule, or from a weights file; at zero 3 a layer
-    at a time, each sharded before the next), and a step whose non-finite loss skips it on
-    every rank."""
+    """zero=3 (and zero=1 under zb-h1) against zero=0, 1e-6, and the same evaluation
+    output: under GPipe, interleaved stages, bf16 and fp16 autocast (the same casts of the
+    same weights; fp16's loss scale unscales the shards), a meta-device model materialized
+    per stage (by the init rule, or from a weights file; at zero 3 a layer at a time, each
+    sharded before the next), a step whose non-finite loss skips it on every rank, and zb-h1
+    with every micro-batch recomputed (its W backpropagates the stage's outputs again)."""
     results = values(run_ranks(_options, 4, str(tmp_path), deadline=900))
     for got in results:
         names = {key.rsplit(" ", 1)[0] for key in got}
-        assert len(names) == 8
-        for name in names:
-            level = 1 if name == "zero bubble" else 3
+        assert len(names) == 9
+        levels = [key.rsplit(" ", 1) for key in got if not key.endswith(" 0")]
+        assert len(levels) == 10
+        for name, level in levels:
             base, sharded = got[f"{name} 0"], got[f"{name} {level}"]
             assert sharded["skipped"] == base["skipped"]
             assert base["skipped"] == ([False, True, False] if name == "skip" else [False] * 3)
@@ -277,7 +289,7 @@ def test_zero_under_gpipe_interleaved_bf16_fp16_lazy_zb_and_a_skipped_step_train
 
 def _refusals(rank: int, world: int) -> list[str]:
     """What each unsupported combination raises, on 2 stages x 2 replicas."""
-    attempts = [(mlp(), [5, 7], dict(zero=2, schedule="zb-h1"))]
+    attempts = [(mlp(), [5, 7], dict(zero=2, cuda_graphs=True))]
     messages = []
     for model, balance, options in attempts:
         with pytest.raises(ValueError) as error:
@@ -290,7 +302,8 @@ def _refusals(rank: int, world: int) -> list[str]:
 def _tied(rank: int, world: int) -> dict[int | str, dict]:
     """A weight tied across the two stages (embedding and head), zero 0 to 3, 3 steps: the
     whole parameters, the gradient norms, and whether the tied copy stayed whole here; and
-    zero 0 and 3 on a model built on the meta device, and under interleaved stages."""
+    zero 0 and 3 on a model built on the meta device, under interleaved stages and under
+    zb-h2."""
     out: dict[int | str, dict] = {}
     for zero in (0, 1, 2, 3):
         pipe = pipetrain.Pipeline(
@@ -311,6 +324,7 @@ def _tied(rank: int, world: int) -> dict[int | str, dict]:
         # interleaved: the embedding on stage 0 (rank 0), the head on stage 3 (rank 1)
         "meta": ([3, 3], dict(init_seed=3)),
         "interleaved": ([1, 2, 2, 1], dict(schedule="interleaved", chunks=4)),
+        "zero bubble": ([3, 3], dict(schedule="zb-h2")),  # the tie's all-reduce, W, FSDP2
     }
     for name, (balance, options) in variants.items():
         for zero in (0, 3):
@@ -330,8 +344,8 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
     """The embedding (stage 0) and the head (stage 1) share a weight: at zero 2 and 3 each
     copy stays whole on its replicas, its gradient summed over both stages' ranks of both
     replicas, while the rest of each stage is sharded; both copies equal zero 0's (1e-6) and
-    single-process training's (1e-5). Built on the meta device, and under interleaved stages,
-    zero 3 equals zero 0 too."""
+    single-process training's (1e-5). Built on the meta device, under interleaved stages and
+    under zb-h2, zero 3 equals zero 0 too."""
     expected = single_process(tied_model(), token_batches(STEPS))
     results = values(run_ranks(_tied, 4, deadline=400))
     for got in results:
@@ -344,7 +358,7 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
                 assert (value - expected[key]).abs().max().item() <= AGAINST_ONE_PROCESS, key
         for zero in (2, 3):
             assert got[zero]["tied whole"] and got[zero]["sharded"]
-        for name in ("meta", "interleaved"):
+        for name in ("meta", "interleaved", "zero bubble"):
             for key, value in got[f"{name} 3"].items():
                 assert (value - got[f"{name} 0"][key]).abs().max().item() <= AGAINST_ZERO, key
         for key, value in got["interleaved 0"].items():  # another split, the same training
@@ -356,9 +370,9 @@ def test_a_weight_tied_across_stages_trains_at_zero_1_2_3_as_at_zero_0_and_one_p
 
 
 def test_what_zero_cannot_shard_yet_is_refused_with_the_reason():
-    for (split,) in values(run_ranks(_refusals, 4, deadline=300)):
-        assert "zero=2 with schedule 'zb-h1' is not supported yet" in split
-        assert "use zero=1" in split
+    for (graphs,) in values(run_ranks(_refusals, 4, deadline=300)):
+        assert "zero=2 with cuda_graphs is not supported" in graphs
+        assert "zero=1" in graphs
     for bad in (4, -1, True, "3"):
         with pytest.raises(ValueError, match="zero must be 0"):
             pipetrain.Pipeline(mlp(), [5, 7], devices=["cpu", "cpu"], zero=bad)
@@ -376,3 +390,10 @@ def test_without_replicas_zero_changes_nothing():
         states.append(pipe.module.state_dict())
     for key, value in states[1].items():
         assert not isinstance(value, DTensor) and torch.equal(value, states[0][key]), key
+
+
+def test_fsdp2_state_missing_from_another_torch_is_an_error_naming_the_version():
+    """A split backward at zero 2 and 3 reads FSDP2 state that torch keeps private: where a
+    torch lacks it, the error says which part, which torch, and what runs instead."""
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} lacks")):
+        _private(object(), "_fsdp_param_groups")
