@@ -21,7 +21,7 @@ from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
-from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.stage import Stage, StageOptions
 from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
@@ -180,14 +180,15 @@ def _build_stage(
             weight_prediction=config.weight_prediction, compensation=config.delay_compensation,
             schedule=config.schedule,
         )
+    options = StageOptions(
+        recompute_below=config.recompute_below(index), split_backward=schedule.splits_backward,
+        loss_divisor=config.loss_divisor, autocast_dtype=config.autocast_dtype, seed=seed,
+        lr_scheduler=config.lr_scheduler, syncs=syncs, owned_elsewhere=owned_elsewhere,
+        weight_versions=versions, track_memory=config.track_memory,
+    )
     stage = Stage(
-        module=module, index=index, count=len(parts), offset=offset, device=device,
-        optimizer=config.optimizer, loss_fn=config.loss_fn,
-        recompute_below=config.recompute_below(index), loss_divisor=config.loss_divisor,
-        track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
-        split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
-        autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
-        weight_versions=versions,
+        module, index, len(parts), offset, device, config.optimizer, config.loss_fn,
+        options=options,
     )
     if stage.ledger is not None:
         stage.ledger.bound = inflight(schedule)[index]
