@@ -95,7 +95,7 @@ class Stage:
         optimizer: OptimizerFactory | None,
         loss_fn: LossFn | None,
         *,
-        options: StageOptions = StageOptions(),  # noqa: B008  (frozen: shared safely)
+        options: StageOptions = StageOptions(),
     ):
         """The layers of ``module`` (the model's from ``offset`` on) on ``device``, each
         stage's optimizer built by ``optimizer`` from its weights, the last stage's loss
