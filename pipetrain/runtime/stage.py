@@ -83,7 +83,8 @@ class _Stashed:
 
 
 class Stage:
-    """Stage ``index`` of ``count``: a module slice on ``device`` with its optimizer."""
+    """Stage ``index`` of ``count``: a module slice on ``device`` with its optimizer; its
+    public attributes are its parts' (see the module docstring)."""
 
     def __init__(
         self,
@@ -120,7 +121,7 @@ class Stage:
         sharded = any(isinstance(p, DTensor) for p in weights)
         self._slice.autocast_cache = not sharded
         self._split = SplitBackward(self.module, weights, o.split_backward, sharded)
-        self._policy = (
+        self._policy: ForwardPolicy = (
             Recompute(o.recompute_below, self.rng) if o.recompute_below else ForwardPolicy()
         )
         self._source: LiveWeights | VersionedWeights = LiveWeights(self._slice)
