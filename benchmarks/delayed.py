@@ -23,7 +23,13 @@ from torch import nn
 
 from pipetrain.runtime.assembly import split
 from pipetrain.runtime.data_parallel import tied_parameters
-from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory, Stage
+from pipetrain.runtime.stage import (
+    LossFn,
+    OptimizerFactory,
+    SchedulerFactory,
+    Stage,
+    StageOptions,
+)
 from pipetrain.runtime.stage_module import keyed, positions
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.weights import stage_versions
@@ -90,14 +96,12 @@ class DelayedPipeline:
         parts = split(model, balance)
         self.stages = [
             Stage(
-                module=module, index=s, count=len(parts), offset=offset,
-                device=torch.device("cpu"), optimizer=optimizer, loss_fn=loss_fn,
-                loss_divisor=1, lr_scheduler=lr_scheduler,
-                weight_versions=partial(
+                module, s, len(parts), offset, torch.device("cpu"), optimizer, loss_fn,
+                options=StageOptions(lr_scheduler=lr_scheduler, weight_versions=partial(
                     stage_versions, lag=lag, update_every=1, weight_stashing=weight_stashing,
                     weight_prediction=weight_prediction, compensation=compensation,
                     schedule=schedule,
-                ),
+                )),
             )
             for s, ((offset, module), lag) in enumerate(zip(parts, lags, strict=True))
         ]

@@ -4,11 +4,14 @@ costs, and the logger switch."""
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from types import FunctionType
 
 from setuptools.config.pyprojecttoml import read_configuration
 
@@ -124,7 +127,7 @@ def test_pyproject_claims_the_python_that_ci_runs():
 
 NEWER_NAMES = {  # added in Python 3.11: (module, name); a module; a builtin; a method
     ("typing", n) for n in ("Self", "LiteralString", "Never", "assert_never", "reveal_type",
-                            "NotRequired", "Required", "dataclass_transform")
+                            "NotRequired", "Required", "dataclass_transform", "Unpack")
 } | {("enum", "StrEnum"), ("enum", "ReprEnum"), ("enum", "verify"), ("datetime", "UTC"),
      ("asyncio", "TaskGroup"), ("asyncio", "timeout"), ("hashlib", "file_digest"),
      ("math", "exp2"), ("math", "cbrt"), ("contextlib", "chdir"), ("operator", "call")}
@@ -169,3 +172,41 @@ def test_import_pipetrain_and_pipetrain_hf_leave_transformers_unloaded():
     """transformers (the ``hf`` extra) loads only when a Hugging Face model is used."""
     out = _python("import sys, pipetrain, pipetrain.hf\nprint('transformers' in sys.modules)\n")
     assert out.strip() == "False"
+
+
+MOST_PARAMETERS = 8  # of a runtime constructor, beside self
+# executor.py's Executor takes 11 for now: the step-actions branch (issue 39, Deliver 2)
+# rewrites it; the lead removes this entry at merge
+LONGER_FOR_NOW = {"pipetrain.runtime.executor.Executor"}
+
+
+def _parameters(init: FunctionType) -> int:
+    """How many parameters, beside self, a constructor's own code takes (not the signature
+    it shows: Pipeline's lists every option but takes ``**options``)."""
+    code = init.__code__
+    starred = [code.co_flags & flag for flag in (inspect.CO_VARARGS, inspect.CO_VARKEYWORDS)]
+    return code.co_argcount + code.co_kwonlyargcount + sum(map(bool, starred)) - 1
+
+
+def test_no_runtime_constructor_takes_more_than_eight_parameters():
+    """Every class of pipetrain/runtime/ with a constructor of its own takes at most
+    MOST_PARAMETERS: more says the class does several jobs (Stage took 17, Pipeline 31). A
+    frozen dataclass is a record of settings filled by keyword (PipelineConfig, StageOptions,
+    LayerSource): its fields are its declaration, not parameters of a job, and it is exempt."""
+    counted, over = {}, []
+    for path in sorted((ROOT / "pipetrain" / "runtime").glob("*.py")):
+        module = importlib.import_module(f"pipetrain.runtime.{path.stem}")
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != module.__name__:
+                continue
+            init = vars(cls).get("__init__")
+            params = getattr(cls, "__dataclass_params__", None)
+            if not inspect.isfunction(init) or (params is not None and params.frozen):
+                continue
+            name = f"{module.__name__}.{cls.__qualname__}"
+            counted[name] = _parameters(init)
+            if counted[name] > MOST_PARAMETERS and name not in LONGER_FOR_NOW:
+                over.append(f"{name}: {counted[name]}")
+    assert counted["pipetrain.runtime.pipeline.Pipeline"] == 3  # model, balance, **options
+    assert counted["pipetrain.runtime.stage.Stage"] == 8
+    assert not over, over

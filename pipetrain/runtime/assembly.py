@@ -21,7 +21,8 @@ from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
-from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.split_backward import Leaves
+from pipetrain.runtime.stage import Stage, StageOptions
 from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
 from pipetrain.training.batchnorm import DeferredBatchNorm
@@ -150,13 +151,11 @@ def assemble(
             syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]
-        stage = _build_stage(
+        built.append(_build_stage(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
             owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
-        )
-        if sharding is not None:  # W adds into the gathered weights FSDP2 swapped in
-            stage.weight_leaves = sharding.leaves
-        built.append(stage)
+            weight_leaves=sharding.leaves if sharding is not None else None,
+        ))
     return built, ties
 
 
@@ -173,10 +172,10 @@ def _bring_up_layer(
 def _build_stage(
     config: PipelineConfig, schedule: Schedule, parts: Parts, index: int,
     device: torch.device, seed: int, owned_elsewhere: frozenset[int],
-    syncs: Sequence[Sync],
+    syncs: Sequence[Sync], weight_leaves: Leaves | None,
 ) -> Stage:
     """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
-    versions."""
+    versions, ZeRO 2 and 3 the gathered weights its W reaches (``weight_leaves``)."""
     offset, module = parts[index]
     versions = None
     if schedule.asynchronous:
@@ -186,14 +185,16 @@ def _build_stage(
             weight_prediction=config.weight_prediction, compensation=config.delay_compensation,
             schedule=config.schedule,
         )
+    options = StageOptions(
+        recompute_below=config.recompute_below(index), split_backward=schedule.splits_backward,
+        loss_divisor=config.loss_divisor, autocast_dtype=config.autocast_dtype, seed=seed,
+        lr_scheduler=config.lr_scheduler, syncs=syncs, owned_elsewhere=owned_elsewhere,
+        weight_versions=versions, track_memory=config.track_memory,
+        weight_leaves=weight_leaves,
+    )
     stage = Stage(
-        module=module, index=index, count=len(parts), offset=offset, device=device,
-        optimizer=config.optimizer, loss_fn=config.loss_fn,
-        recompute_below=config.recompute_below(index), loss_divisor=config.loss_divisor,
-        track_memory=config.track_memory, owned_elsewhere=owned_elsewhere,
-        split_backward=schedule.splits_backward, lr_scheduler=config.lr_scheduler,
-        autocast_dtype=config.autocast_dtype, seed=seed, syncs=syncs,
-        weight_versions=versions,
+        module, index, len(parts), offset, device, config.optimizer, config.loss_fn,
+        options=options,
     )
     if stage.ledger is not None:
         stage.ledger.bound = inflight(schedule)[index]

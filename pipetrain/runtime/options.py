@@ -1,28 +1,37 @@
 """Every keyword option of ``Pipeline``, declared once: its name, type, default, check, one
 line of doc, the group a user looks for it in, and the part that takes it.
 
-``Pipeline.__init__`` spells the options out for help() and IDEs, in this table's order, and
-``PipelineConfig`` holds the resolved ones; tests/runtime/test_options.py fails when either, or
-the Args section of Pipeline's docstring, drifts from ``OPTIONS``. Adding an option is one
-``Option`` here, its parameter and Args entry in pipeline.py, and a field in config.py if the
-config holds it. Checks here see one option alone; checks across options are
+``Pipeline.__init__`` takes them as ``**options`` typed by ``PipelineOptions`` (PEP 692, so
+type checkers check a caller's keywords) and shows them to help() and IDEs through a signature
+built from this table (:func:`with_options`); ``PipelineConfig`` holds the resolved ones.
+tests/runtime/test_options.py fails when ``PipelineOptions``, the config's fields or the Args
+section of Pipeline's docstring drift from ``OPTIONS``. Adding an option is one ``Option``
+here, its key in ``PipelineOptions``, its Args entry in pipeline.py, and a field in config.py
+if the config holds it. Checks here see one option alone; checks across options are
 ``PipelineConfig.resolve``'s.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from pipetrain.observe.progress import progress_option
+from partitioner import Plan
+from pipetrain.observe.progress import Progress, progress_option
 from pipetrain.runtime.cuda_graphs import check_mode
 from pipetrain.runtime.sharding import check_level
-from pipetrain.training.compensation import AUTO, parse_option
+from pipetrain.runtime.stage_optimizer import OptimizerFactory, SchedulerFactory
+from pipetrain.runtime.stage_slice import LossFn
+from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
+from pipetrain.training.lazy import InitFn
 from pipetrain.training.precision import autocast_dtype
 from schedules.registry import RECOMPUTE_MODES
 
@@ -36,8 +45,8 @@ def _as_given(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Option:
-    """One keyword option. ``type`` is the annotation Pipeline's signature gives it (as
-    written there); ``check(value)`` refuses a bad value with the fix and returns it as the
+    """One keyword option. ``type`` is the annotation Pipeline's signature shows (as written
+    in ``PipelineOptions``); ``check(value)`` refuses a bad value with the fix and returns it as the
     taking part holds it; ``part`` is one of PARTS."""
 
     name: str
@@ -227,19 +236,78 @@ OPTIONS: tuple[Option, ...] = (
 BY_NAME = {option.name: option for option in OPTIONS}
 
 
-def passed(local: Mapping[str, Any]) -> dict[str, Any]:
-    """The options among a call's local variables (``Pipeline.__init__``'s ``locals()``)."""
-    return {name: local[name] for name in BY_NAME}
+class PipelineOptions(TypedDict, total=False):
+    """``Pipeline``'s keyword options as a type checker reads them: OPTIONS' names and types,
+    in its order (tests/runtime/test_options.py holds them equal)."""
+
+    plan: str | os.PathLike[str] | Plan | None
+    chunks: int | None
+    schedule: str | None
+    checkpoint: str | Sequence[str] | None
+    loss_fn: LossFn | None
+    optimizer: OptimizerFactory | None
+    lr_scheduler: SchedulerFactory | None
+    precision: str
+    clip_grad_norm: float | None
+    nonfinite: str
+    weight_stashing: bool
+    weight_prediction: str | None
+    delay_compensation: str | DelayCompensation | None
+    devices: Sequence[str | torch.device] | None
+    group: dist.ProcessGroup | None
+    replicas: int | None
+    timeout: float
+    zero: int
+    init_seed: int | None
+    init: InitFn | None
+    weights: str | os.PathLike[str] | None
+    checkpoint_dir: str | os.PathLike[str] | None
+    checkpoint_every: int
+    deferred_batch_norm: bool
+    cuda_graphs: bool | str
+    check_batches: bool
+    track_memory: bool
+    trace: str | os.PathLike[str] | None
+    progress: bool | Progress
+
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def with_options(init: Init) -> Init:
+    """``init`` (``Pipeline.__init__``, which takes ``**options``) shown with every option of
+    OPTIONS in its place, keyword-only, with its default and type, as help(), IDEs and
+    ``inspect.signature`` list them."""
+    own = inspect.signature(init)
+    head = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    keywords = [
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                          annotation=o.type)
+        for o in OPTIONS
+    ]
+    cast(Any, init).__signature__ = own.replace(parameters=[*head, *keywords])
+    return init
+
+
+def refuse_unknown(given: Mapping[str, Any]) -> None:
+    """Refuse keywords that are no option, as Python refuses an unexpected keyword argument,
+    with the closest option's name."""
+    unknown = [name for name in given if name not in BY_NAME]
+    if not unknown:
+        return
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, BY_NAME, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"Pipeline() got an unexpected keyword argument {', '.join(named)}; its options are "
+        f"{', '.join(BY_NAME)}"
+    )
 
 
 def checked(part: str, given: Mapping[str, Any]) -> dict[str, Any]:
     """Every option ``part`` takes, from ``given`` (an option left out: its default), each
-    checked alone and as the part holds it. An option no part takes is refused, as an
-    unexpected keyword argument would be; one another part takes is left to it."""
-    unknown = sorted(set(given) - set(BY_NAME))
-    if unknown:
-        raise TypeError(
-            f"unexpected option(s) {', '.join(map(repr, unknown))}; Pipeline's options are "
-            f"{', '.join(BY_NAME)}"
-        )
+    checked alone and as the part holds it. A keyword that is no option is refused
+    (:func:`refuse_unknown`); one another part takes is left to it."""
+    refuse_unknown(given)
     return {o.name: o.check(given.get(o.name, o.default)) for o in OPTIONS if o.part == part}

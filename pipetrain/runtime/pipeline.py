@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from typing_extensions import Unpack  # typing has it from Python 3.11; torch requires this
 
-from partitioner import Plan
 from pipetrain.checkpoints import checkpointing
 from pipetrain.observe.progress import Progress, logger
 from pipetrain.observe.trace import Recorder
@@ -27,19 +26,16 @@ from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.metrics import StepMetrics
-from pipetrain.runtime.options import checked, passed
+from pipetrain.runtime.options import PipelineOptions, checked, with_options
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.planning import warn_other_microbatch
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
-from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
-from pipetrain.training.compensation import AUTO, DelayCompensation
-from pipetrain.training.lazy import InitFn
 from pipetrain.training.precision import LossScaler
 from schedules import build, validate
 
@@ -181,42 +177,13 @@ class Pipeline:
     pipeline; ``eval_step`` and ``save`` call it.
     """
 
+    @with_options  # its signature lists every option (options.py), as help() shows
     def __init__(
         self,
         model: nn.Sequential,
         balance: Sequence[int] | None = None,
-        *,
-        plan: str | os.PathLike[str] | Plan | None = None,
-        chunks: int | None = None,
-        schedule: str | None = None,
-        checkpoint: str | Sequence[str] | None = None,
-        loss_fn: LossFn | None = None,
-        optimizer: OptimizerFactory | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        precision: str = "fp32",
-        clip_grad_norm: float | None = None,
-        nonfinite: str = "skip",
-        weight_stashing: bool = True,
-        weight_prediction: str | None = AUTO,
-        delay_compensation: str | DelayCompensation | None = AUTO,
-        devices: Sequence[str | torch.device] | None = None,
-        group: dist.ProcessGroup | None = None,
-        replicas: int | None = None,
-        timeout: float = 300.0,
-        zero: int = 0,
-        init_seed: int | None = None,
-        init: InitFn | None = None,
-        weights: str | os.PathLike[str] | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 0,
-        deferred_batch_norm: bool = False,
-        cuda_graphs: bool | str = False,
-        check_batches: bool = True,
-        track_memory: bool = False,
-        trace: str | os.PathLike[str] | None = None,
-        progress: bool | Progress = False,
+        **options: Unpack[PipelineOptions],
     ):
-        options = passed(locals())  # every option as given, by the names OPTIONS declares
         self.config = config = PipelineConfig.resolve(model, balance, **options)
         source = LayerSource(**checked("layers", options))
         source.check(model)

@@ -16,6 +16,7 @@ from pipetrain.errors import StageError
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.cuda_graphs import MAX_SIGNATURES, StageGraphs, slots_needed, stage_refusal
 from pipetrain.runtime.rng import StageRng
+from pipetrain.runtime.stage import Stage, StageOptions
 from schedules import build
 from tests.runtime.models import batches, mlp, sgd
 
@@ -146,3 +147,13 @@ def test_each_slot_captures_on_inputs_of_its_own(monkeypatch):
     assert all(torch.equal(t, x) for t in inputs)
     assert len({pool for _, pool, _ in captures}) == 3, "each slot has a memory pool of its own"
     assert not any(collecting for _, _, collecting in captures) and gc.isenabled()
+
+
+def test_a_stage_built_to_recompute_refuses_graphs():
+    """Pipeline refuses cuda_graphs with recomputation (above); a Stage built directly to
+    recompute refuses them too, rather than replay a forward its backward would run again."""
+    stage = Stage(mlp(), 0, 1, 0, torch.device("cpu"), sgd, nn.functional.cross_entropy,
+                  options=StageOptions(recompute_below=2))
+    with pytest.raises(ValueError, match="stage 0: CUDA graphs cannot replay a recomputed"):
+        stage.use_graphs(2, strict=True)
+    assert stage.graphs is None and stage.recompute_below == 2

@@ -1,7 +1,7 @@
 """Each Pipeline option is declared once, in pipetrain/runtime/options.py: Pipeline's signature,
-the Args section of its docstring and the fields of the resolved PipelineConfig must say what
-that table says, so an option added, renamed or re-defaulted in one place and not the others
-fails here."""
+its typed keywords (PipelineOptions), the Args section of its docstring and the fields of the
+resolved PipelineConfig must say what that table says, so an option added, renamed or
+re-defaulted in one place and not the others fails here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.options import OPTIONS, checked
+from pipetrain.runtime.options import OPTIONS, PipelineOptions, checked
 from schedules.registry import RECOMPUTE_MODES, recompute_below
 
 DERIVED = ["autocast_dtype", "loss_scaling", "planned_ranks", "planned_microbatch"]
@@ -42,17 +42,36 @@ def args_entries(doc: str) -> dict[str, str]:
     return entries
 
 
-def test_the_signature_is_the_table():
-    """Same names in the same order, each keyword-only, with the table's default and type."""
-    parameters = list(inspect.signature(pipetrain.Pipeline.__init__).parameters.values())
-    assert [p.name for p in parameters[:3]] == ["self", "model", "balance"]
-    options = parameters[3:]
+@pytest.mark.parametrize("shown", ["__init__", "class"])
+def test_the_signature_is_the_table(shown):
+    """What help() and IDEs show, for the class and its __init__: the same names in the same
+    order, each keyword-only, with the table's default and type."""
+    target = pipetrain.Pipeline.__init__ if shown == "__init__" else pipetrain.Pipeline
+    parameters = list(inspect.signature(target).parameters.values())
+    head = ["self", "model", "balance"] if shown == "__init__" else ["model", "balance"]
+    assert [p.name for p in parameters[: len(head)]] == head
+    options = parameters[len(head):]
     assert [p.name for p in options] == [o.name for o in OPTIONS]
     for parameter, option in zip(options, OPTIONS, strict=True):
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, option.name
         assert parameter.default == option.default, option.name
         assert type(parameter.default) is type(option.default), option.name
         assert parameter.annotation == option.type, option.name  # a string: postponed
+
+
+def test_the_constructor_takes_the_options_as_typed_keywords():
+    """``__init__(self, model, balance=None, **options: Unpack[PipelineOptions])`` (PEP 692):
+    PipelineOptions, what a type checker holds a call to, has the table's names in its order,
+    each optional, with the type the table gives."""
+    code = pipetrain.Pipeline.__init__.__code__
+    assert code.co_varnames[: code.co_argcount] == ("self", "model", "balance")
+    assert code.co_kwonlyargcount == 0 and code.co_flags & inspect.CO_VARKEYWORDS
+    annotations = PipelineOptions.__annotations__
+    assert list(annotations) == [o.name for o in OPTIONS]
+    assert PipelineOptions.__optional_keys__ == frozenset(annotations)
+    for option in OPTIONS:  # postponed: a string, or typing's reference to one
+        written = annotations[option.name]
+        assert getattr(written, "__forward_arg__", written) == option.type, option.name
 
 
 def test_each_group_is_one_run_of_options():
@@ -117,6 +136,13 @@ def test_every_option_reaches_its_part():
 def test_an_unknown_option_is_refused_naming_the_known_ones():
     with pytest.raises(TypeError, match=r"'chunk'.*chunks"):
         PipelineConfig.resolve(mlp(), [2, 2], chunk=4)
+
+
+def test_pipeline_refuses_an_unknown_keyword_naming_it_and_the_closest_option():
+    """As Python refuses an unexpected keyword argument, before anything is built."""
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'chunk' \(did you mean "
+                                        r"'chunks'\?\), 'colour'; its options are plan, chunks"):
+        pipetrain.Pipeline(mlp(), [2, 2], devices=["cpu", "cpu"], chunk=2, colour="red")
 
 
 @pytest.mark.parametrize("checkpoint", ["sometimes", ["never", "often"]])
