@@ -10,6 +10,7 @@ from schedules.asynchronous import (
     pipedream_2bw,
     unroll,
 )
+from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
 from schedules.generators import (
     from_order,
@@ -63,6 +64,7 @@ __all__ = [
     "unregister",
     "unroll",
     "validate",
+    "with_early_weights",
     "zero_bubble_h1",
     "zero_bubble_h2",
 ]

@@ -528,13 +528,16 @@ class Executor:
     def _do_weight(self, action: Action) -> None:
         self.stages[action.stage].backward_weights(self.base + action.microbatch)
 
+    def _do_agree(self, action: Action) -> None:
+        """Interim: pipetrain/runtime/update.py agrees after the list."""
+
     def _do_step(self, action: Action) -> None:
-        """An asynchronous stage steps here; a synchronous one gets its gradients ready, and
-        pipetrain/runtime/update.py steps it after the list (whether to step depends on every
-        stage)."""
+        """An asynchronous stage steps here; a synchronous one (interim) after the list."""
         if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
             self.stages[action.stage].step()
-            return
+
+    def _do_reduce(self, action: Action) -> None:
+        """Stage ``action.stage``'s gradients summed across replicas and tied stages."""
         self._finish_sends()
         stage = self.stages[action.stage]
         for sync in stage.syncs:
@@ -602,6 +605,8 @@ HANDLERS: dict[Kind, Handler] = {
     Kind.FORWARD: Executor._do_forward,
     Kind.BACKWARD: Executor._do_backward,
     Kind.WEIGHT: Executor._do_weight,
+    Kind.REDUCE: Executor._do_reduce,
+    Kind.AGREE: Executor._do_agree,
     Kind.STEP: Executor._do_step,
     Kind.RECV_ACT: Executor._do_recv_act,
     Kind.RECV_GRAD: Executor._do_recv_grad,
