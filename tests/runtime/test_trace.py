@@ -26,7 +26,7 @@ from pipetrain.observe.trace import (
     step_spans,
 )
 from schedules import Action, Kind, Span, build, simulate
-from schedules.action import STEP_KINDS
+from schedules.action import COMPUTE, STEP_KINDS
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -52,7 +52,7 @@ def check_dependency_order(folder) -> None:
         end, start = {}, {}
         for t in traces:
             spans = t.steps[step]
-            computes = [s.action for s in spans if s.action.kind in (Kind.FORWARD, Kind.BACKWARD)]
+            computes = [s.action for s in spans if s.action.kind in COMPUTE]  # early Ws too
             assert computes == t.schedule.compute(t.stage), "ran in the schedule's order"
             for s in spans:
                 start[s.action], end[s.action] = s.start, s.end
