@@ -67,7 +67,7 @@ from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tags import ACTIVATION, GRADIENT, HEADER, TagLayout
 from pipetrain.runtime.transport import Handle, Transport
 from pipetrain.runtime.update import Update
-from schedules import Action, Kind, Schedule, with_early_weights
+from schedules import Action, Kind, Schedule
 from schedules.action import COMPUTE, RECVS
 from schedules.listing import excerpt
 
@@ -88,23 +88,6 @@ def tag(action: Action, layout: TagLayout, header: bool = False) -> int:
     gradient = action.kind in (Kind.SEND_GRAD, Kind.RECV_GRAD)
     lane = HEADER if header else GRADIENT if gradient else ACTIVATION
     return layout.tag(action.microbatch, lane, min(action.stage, _peer(action)))
-
-
-def with_early_weight_passes(schedule: Schedule, stages: Sequence[Stage]) -> Schedule:
-    """The list the runtime trains ``schedule`` with on ``stages`` (this process's): with an
-    early W (schedules/early.py) for each stage whose last backward the previous stage, on
-    another rank, waits for to run its own last backward. Sending first takes the
-    weight-gradient half of the backward off the pipeline's drain, once per stage boundary
-    (the two halves cost about one whole backward when the forward was cut; the cut is made
-    for this micro-batch only). Not where the schedule places W itself (zero bubble), weights
-    change between micro-batches (asynchronous), or a CUDA graph replays the backward."""
-    if schedule.splits_backward or schedule.asynchronous:
-        return schedule
-    early = [
-        s.index for s in stages
-        if not s.is_first and not schedule.local(s.index, s.index - 1) and s.graphs is None
-    ]
-    return with_early_weights(schedule, early) if early else schedule
 
 
 class Executor:
@@ -199,9 +182,9 @@ class Executor:
         autocast keeps its casts until the outermost autocast region ends, and holding its
         nesting open across the call (without enabling autocast, so no backward runs under
         it) keeps them for every forward of the call. The casts are bit-identical to fresh
-        ones and the weights do not change within a held call (a synchronous list steps after
-        it; asynchronous stages, which step inside their lists, read weight versions and hold
-        nothing), so results are unchanged; one cast per weight is kept alive instead of
+        ones and no forward of a held call follows a change of its weights (a synchronous list
+        steps at its end, the casts cleared with the call; asynchronous stages, which step
+        between forwards, read weight versions and hold nothing), so results are unchanged; one cast per weight is kept alive instead of
         one per micro-batch in flight. Not with CUDA graphs (captured without the cache) or
         weight versions (each micro-batch reads weights of its own)."""
         hold = any(s.autocast_dtype is not None for s in self.stages.values()) and all(

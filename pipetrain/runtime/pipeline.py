@@ -25,7 +25,6 @@ from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.executor import with_early_weight_passes
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.metrics import StepMetrics
@@ -354,7 +353,7 @@ class Pipeline:
             self._update.begin(self.step + 1)
             start = time.perf_counter()  # zeroing the gradients is no part of the step
             executors = self._runner.run(
-                with_early_weight_passes(self.schedule, self.stages), x, y, self._update
+                self._update.call_list(self.schedule), x, y, self._update
             )
             value, stepped = self._update.result()  # the loss came with the agreement
             step_time = time.perf_counter() - start

@@ -59,6 +59,7 @@ from pipetrain.runtime.readback import HostCopy
 from pipetrain.runtime.sharding import local, sharded
 from pipetrain.runtime.stage import Stage
 from pipetrain.training.precision import LossScaler
+from schedules import Schedule, with_early_weights
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank (identity in one process)
 WAIT_POLL = 0.05  # seconds between a waiting AGREE's looks at its peers
@@ -143,6 +144,27 @@ class Update(WithinCall):
         self._found_inf: torch.Tensor | None = None
         self._result: tuple[torch.Tensor, dict[str, Any]] | None = None
         self._complaint: str | None = None  # a skipped step's warning or error, said after
+        self._list: tuple[Schedule, Schedule] | None = None  # a schedule, the list run for it
+
+    def call_list(self, schedule: Schedule) -> Schedule:
+        """The list this process trains ``schedule`` with: an early W (schedules/early.py)
+        for each stage here whose last backward the previous stage, on another rank, waits
+        for to run its own last backward. Sending first takes the weight-gradient half of the
+        backward off the pipeline's drain, once per stage boundary (the two halves cost about
+        one whole backward when the forward was cut; the cut is made for this micro-batch
+        only). Not where the schedule places W itself (zero bubble) or a CUDA graph replays
+        the backward."""
+        if self._list is None or self._list[0] is not schedule:
+            early = [
+                s.index for s in self.stages
+                if not s.is_first and not schedule.local(s.index, s.index - 1)
+                and s.graphs is None
+            ]
+            listed = schedule
+            if early and not schedule.splits_backward:
+                listed = with_early_weights(schedule, early)
+            self._list = schedule, listed
+        return self._list[1]
 
     def loss_scale(self) -> float | torch.Tensor:
         """What the last stage's backward starts from this step: fp16's current loss scale,

@@ -1,5 +1,5 @@
 """The last backward of each stage but the first sends its input gradients before it computes
-its weight gradients (pipetrain/runtime/executor.py's with_early_weight_passes: the runtime's
+its weight gradients (pipetrain/runtime/update.py's Update.call_list: the runtime's
 list has a W after that B's SEND_GRAD, schedules/early.py), so that the previous stage's last
 backward, which the pipeline's drain waits for, starts a weight pass earlier.
 
@@ -23,9 +23,9 @@ from torch import nn
 import pipetrain
 from examples.models import lm_loss
 from pipetrain.observe.trace import load_folder
-from pipetrain.runtime import pipeline as pipeline_module
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.update import Update
 from schedules import Action, Kind, with_early_weights
 from tests.runtime.models import batches, mlp, sgd, text_batches, tiny_gpt
 from tests.runtime.test_distributed import assert_trains_like_one_process
@@ -145,7 +145,7 @@ def test_mixed_precision_and_clipping_give_what_the_whole_backward_gives(monkeyp
     (test_training_options.py: bf16 to its rounding, fp16 with a clip within 1e-5)."""
     options = dict(precision=precision, clip_grad_norm=0.5)
     with monkeypatch.context() as off:
-        off.setattr(pipeline_module, "with_early_weight_passes", lambda schedule, stages: schedule)
+        off.setattr(Update, "call_list", lambda self, schedule: schedule)
         whole = _train(mlp(), [6, 6], batches(STEPS), **options)
     log = Log(monkeypatch)
     split = _train(mlp(), [6, 6], batches(STEPS), **options)
