@@ -113,20 +113,21 @@ class Executor:
         then, before the backwards that follow."""
         self.stages = {stage.index: stage for stage in stages}
         self.call = call if call is not None else Call(Update(stages))
-        self.step, self.carry = self.call.step, self.call.carry
+        self.handler, self.carry = self.call.handler, self.call.carry
         self.base, self.training = self.call.base, self.call.training
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
         self.timeout, self.recorder = timeout, recorder
         self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
         self.losses_done = losses_done
-        self.loss_scale = self.step.loss_scale() if self.training else 1.0
+        holds_last = any(stage.is_last for stage in stages)  # whose backward starts from it
+        self.loss_scale = self.handler.loss_scale() if self.training and holds_last else 1.0
         last_forwards = [
             i for i, a in enumerate(self.actions)
             if a.kind is Kind.FORWARD and self.stages[a.stage].is_last
         ]
         self._losses_at = last_forwards[-1] if last_forwards else -1
-        self._cycle = self.step.cycle(schedule)  # message numbers: see _tag
+        self._cycle = self.handler.cycle(schedule)  # message numbers: see _tag
         self.tags = TagLayout(schedule.stages, self._cycle)
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
         # Each stage's gradient syncs arm before its last action that makes weight gradients
@@ -184,9 +185,10 @@ class Executor:
         it) keeps them for every forward of the call. The casts are bit-identical to fresh
         ones and no forward of a held call follows a change of its weights (a synchronous list
         steps at its end, the casts cleared with the call; asynchronous stages, which step
-        between forwards, read weight versions and hold nothing), so results are unchanged; one cast per weight is kept alive instead of
-        one per micro-batch in flight. Not with CUDA graphs (captured without the cache) or
-        weight versions (each micro-batch reads weights of its own)."""
+        between forwards, read weight versions and hold nothing), so results are unchanged;
+        one cast per weight is kept alive instead of one per micro-batch in flight. Not with
+        CUDA graphs (captured without the cache) or weight versions (each micro-batch reads
+        weights of its own)."""
         hold = any(s.autocast_dtype is not None for s in self.stages.values()) and all(
             s.graphs is None and s.versions is None for s in self.stages.values()
         )
@@ -223,7 +225,7 @@ class Executor:
                 if position == self._losses_at and self.losses_done:
                     self.losses_done()
             feeds = any(a.kind is Kind.FORWARD for a in self.actions)
-            self._sends = self.step.settle(self.carry, self._sends, feeds)
+            self._sends = self.handler.settle(self.carry, self._sends, feeds)
             self._finish_sends()
         except PeerError as error:
             if isinstance(error, CommunicationTimeout):  # where each rank waits tells a hang
@@ -314,7 +316,7 @@ class Executor:
         else:
             first = action == self._first_recv_grad.get(action.stage)
         return (
-            first and count > 0 and self.step.announces_presence
+            first and count > 0 and self.handler.announces_presence
             and not self.schedule.local(action.stage, _peer(action))
         )
 
@@ -438,7 +440,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if not stage.is_last:
             grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
-            if grads and self.step.announces_presence:
+            if grads and self.handler.announces_presence:
                 present = self._present.get(action.stage)
                 if present is None:
                     raise PipelineError(
@@ -467,7 +469,7 @@ class Executor:
                 g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
                 for g, m in zip(grads, metas, strict=True)
             ]
-        if not self.step.announces_presence:
+        if not self.handler.announces_presence:
             return [(send, tensors, False)]
         first = self._sent_present.setdefault(send.stage, present)
         if present != first:
@@ -500,19 +502,19 @@ class Executor:
         """REDUCE: this list's sends done, the stage's gradients summed across its replicas
         and tie groups (the step handler's)."""
         self._finish_sends()
-        self.step.reduce(self.stages[action.stage])
+        self.handler.reduce(self.stages[action.stage])
 
     def _do_agree(self, action: Action) -> None:
         """AGREE: every rank's agreement on the step (the step handler's; it may wait for the
         other ranks of this process, while they run)."""
-        self.step.agree(
+        self.handler.agree(
             list(self.stages), lambda: self._check_peers(action), self.timeout, self._where()
         )
 
     def _do_step(self, action: Action) -> None:
         """STEP: the stage's optimizer update (the step handler's), which touches weights
         only, never a sent tensor."""
-        self.step.update(self.stages[action.stage])
+        self.handler.update(self.stages[action.stage])
 
     # -- sends ------------------------------------------------------------------------------
 

@@ -126,11 +126,11 @@ class WithinCall:
 
 @dataclass
 class Call:
-    """What one run of a rank's list gets besides the list: the step handler (``step``), the
-    rank's :class:`Carry`, the global number of its micro-batch 0 (``base``: asynchronous
-    lists count across calls) and whether it trains."""
+    """What one run of a rank's list gets besides the list: the step handler, the rank's
+    :class:`Carry`, the global number of its micro-batch 0 (``base``: asynchronous lists
+    count across calls) and whether it trains."""
 
-    step: StepHandler = field(default_factory=WithinCall)
+    handler: StepHandler = field(default_factory=WithinCall)
     carry: Carry = field(default_factory=Carry)
     base: int = 0
     training: bool = True

@@ -42,10 +42,10 @@ class Runner:
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)  # type: ignore[arg-type]
 
     def run(
-        self, schedule: Schedule, x: object, y: object, step: StepHandler | None,
+        self, schedule: Schedule, x: object, y: object, handler: StepHandler | None,
         base: int = 0, losses_done: Callable[[], None] | None = None,
     ) -> list[Executor]:
-        """Run ``schedule``: training with ``step`` as the step handler of its lists
+        """Run ``schedule``: training with ``handler`` as the step handler of its lists
         (pipetrain/runtime/handler.py; see Executor for ``base`` and ``losses_done``), or, with
         None, evaluating; the last rank's outputs land in ``outputs``. Returns the executors
         that ran."""
@@ -54,17 +54,16 @@ class Runner:
                 f"this pipeline stopped after a failure ({self.failed}); build a new one "
                 "(and reload a checkpoint) to go on"
             )
-        training = step is not None
+        training = handler is not None
         first, last = self.stages[0], self.stages[-1]
         inputs = self._split(x, "x", first.device) if first.is_first else None
         targets = self._split(y, "y", last.device) if last.is_last else None
         by_index = {stage.index: stage for stage in self.stages}
-        handler = step if step is not None else WithinCall()
         executors = [
             Executor(
                 [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
                 self.timeout, recorder if training else None, losses_done,
-                Call(handler, carry, base, training),
+                Call(handler if handler is not None else WithinCall(), carry, base, training),
             )
             for rank, transport, recorder, carry in zip(
                 self.world.placement.ranks, self.world.transports, self.recorders, self._carry,
