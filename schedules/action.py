@@ -33,7 +33,7 @@ Older hand-written lists end with the STEPs alone, which still validate and run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 
@@ -77,6 +77,22 @@ def check_sizes(stages: int, microbatches: int) -> None:
         raise ValueError(f"a pipeline needs at least one stage, got stages={stages}")
     if microbatches < 1:
         raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
+
+
+def with_step_tail(schedule: Schedule) -> Schedule:
+    """``schedule`` with every synchronous list closed by its whole step (:func:`step_tail`):
+    an older hand-written list that ends with its STEPs alone gets its REDUCEs and AGREE
+    before them, which the runtime needs (the same schedule otherwise)."""
+    if schedule.asynchronous:
+        return schedule
+    actions = dict(schedule.actions)
+    for rank, ops in schedule.actions.items():
+        own = schedule.stages_on(rank)
+        if any(a.kind in (Kind.REDUCE, Kind.AGREE) for a in ops):
+            continue
+        if list(ops[len(ops) - len(own) :]) == [Action(Kind.STEP, s) for s in own]:
+            actions[rank] = (*ops[: len(ops) - len(own)], *step_tail(own))
+    return replace(schedule, actions=actions)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from schedules import (
     build,
     simulate,
     with_early_weights,
+    with_step_tail,
 )
 from schedules.action import COMPUTE, RECVS, SENDS, STEP_KINDS, TIMED
 from schedules.simulate import Cores
@@ -131,8 +132,9 @@ def load(path: str | Path) -> RankTrace:
 
 
 def load_folder(folder: str | Path) -> list[RankTrace]:
-    """Every rank's trace in ``folder``, by stage; their schedule holds the early weight
-    passes (schedules/early.py) that the ranks ran."""
+    """Every rank's trace in ``folder``, by stage; their schedule is the list the ranks ran:
+    with the whole step (:func:`schedules.with_step_tail`) and the early weight passes
+    (schedules/early.py)."""
     paths = sorted(Path(folder).glob("trace-rank*.json"))
     if not paths:
         raise FileNotFoundError(
@@ -140,15 +142,14 @@ def load_folder(folder: str | Path) -> list[RankTrace]:
             "PIPETRAIN_TRACE=DIR first"
         )
     traces = sorted((load(p) for p in paths), key=lambda t: t.stage)
-    schedule = traces[0].schedule
+    schedule = with_step_tail(traces[0].schedule)  # as the runtime ran it
     early = {
         s.action.stage for t in traces for step in t.steps for s in step
         if s.action.kind is Kind.WEIGHT
     }
     if early and not schedule.splits_backward:
         schedule = with_early_weights(schedule, early)
-        traces = [replace(t, schedule=schedule) for t in traces]
-    return traces
+    return [replace(t, schedule=schedule) for t in traces]
 
 
 def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:

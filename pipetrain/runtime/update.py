@@ -59,7 +59,7 @@ from pipetrain.runtime.readback import HostCopy
 from pipetrain.runtime.sharding import local, sharded
 from pipetrain.runtime.stage import Stage
 from pipetrain.training.precision import LossScaler
-from schedules import Schedule, with_early_weights
+from schedules import Schedule, with_early_weights, with_step_tail
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sum over every rank (identity in one process)
 WAIT_POLL = 0.05  # seconds between a waiting AGREE's looks at its peers
@@ -147,7 +147,9 @@ class Update(WithinCall):
         self._list: tuple[Schedule, Schedule] | None = None  # a schedule, the list run for it
 
     def call_list(self, schedule: Schedule) -> Schedule:
-        """The list this process trains ``schedule`` with: an early W (schedules/early.py)
+        """The list this process trains ``schedule`` with: closed by the whole step (an older
+        hand-written list closed by its STEPs alone gets its REDUCEs and AGREE,
+        :func:`schedules.with_step_tail`), and with an early W (schedules/early.py)
         for each stage here whose last backward the previous stage, on another rank, waits
         for to run its own last backward. Sending first takes the weight-gradient half of the
         backward off the pipeline's drain, once per stage boundary (the two halves cost about
@@ -160,9 +162,9 @@ class Update(WithinCall):
                 if not s.is_first and not schedule.local(s.index, s.index - 1)
                 and s.graphs is None
             ]
-            listed = schedule
+            listed = with_step_tail(schedule)
             if early and not schedule.splits_backward:
-                listed = with_early_weights(schedule, early)
+                listed = with_early_weights(listed, early)
             self._list = schedule, listed
         return self._list[1]
 

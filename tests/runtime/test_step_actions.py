@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import pipetrain
 from pipetrain.errors import CommunicationTimeout, PeerError
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.update import Update
+from schedules import Kind, Schedule, ScheduleSpec, one_f_one_b, register, unregister
 from tests.runtime.models import batches, mlp, sgd
 
 
@@ -116,3 +118,34 @@ def test_a_stage_failing_while_its_peer_waits_at_agree_stops_both_at_once():
     with pytest.raises(RuntimeError, match="boom in the last backward"):
         pipe.train_step(x, y)
     assert time.monotonic() - start < 20
+
+
+def _older_1f1b(stages: int, microbatches: int) -> Schedule:
+    """1F1B as a hand-written schedule from before the step's actions: STEPs alone."""
+    stock = one_f_one_b(stages, microbatches)
+    actions = {r: tuple(a for a in ops if a.kind not in (Kind.REDUCE, Kind.AGREE))
+               for r, ops in stock.actions.items()}
+    return replace(stock, name="older-1f1b", actions=actions)
+
+
+def test_an_older_schedule_closed_by_its_steps_alone_trains_as_its_stock_twin():
+    """The runtime gives such lists their REDUCEs and AGREE (schedules.with_step_tail): with
+    a clip, which needs the agreement, the parameters equal stock 1F1B's exactly (the same
+    operations in the same order)."""
+    register(ScheduleSpec("older-1f1b", _older_1f1b))
+    try:
+        states = []
+        for name in ("older-1f1b", "1f1b"):
+            torch.manual_seed(0)
+            pipe = pipetrain.Pipeline(
+                mlp(), [6, 6], chunks=4, schedule=name, devices=["cpu", "cpu"],
+                loss_fn=nn.functional.cross_entropy, optimizer=sgd, clip_grad_norm=0.1,
+            )
+            losses = [float(pipe.train_step(x, y)) for x, y in batches(2)]
+            assert pipe.metrics["grad_norm"] > 0.1, "the clip acts"
+            states.append((losses, pipe.module.state_dict()))
+    finally:
+        unregister("older-1f1b")
+    (older, older_state), (stock, stock_state) = states
+    assert older == stock
+    assert all(torch.equal(older_state[k], v) for k, v in stock_state.items())
