@@ -7,8 +7,8 @@ handler, one object shared by this process's executors:
 * :class:`WithinCall`, a list whose messages stay within its call (synchronous lists and
   evaluation): micro-batch i of the call is message i, each call waits for its own sends, and
   the gradients a stage sends are announced once per call (which are there: see
-  executor.py's module docstring). Its REDUCE finishes a stage's gradient all-reduces; the
-  synchronous step itself (AGREE, STEP) is :class:`~pipetrain.runtime.update.Update`'s.
+  executor.py's module docstring). Used as is, it runs lists without a step (evaluation);
+  the synchronous step (REDUCE, AGREE, STEP) is :class:`~pipetrain.runtime.update.Update`'s.
 * pipetrain/runtime/inflight.py's ``InFlight``, an asynchronous list whose micro-batches outlive
   a call: messages are numbered by global micro-batch, a call carries its sends to the next,
   every gradient is sent (zeros where none flows), and STEP updates a stage at once.
@@ -109,11 +109,7 @@ class WithinCall:
         return 1.0
 
     def reduce(self, stage: Stage) -> None:
-        """Wait for the all-reduces armed as the stage's last backward (or W) made its
-        gradients, and refuse a step with micro-batches not yet backpropagated."""
-        for sync in stage.syncs:
-            sync.finish()
-        stage.check_backpropagated()
+        raise PipelineError(f"stage {stage.index}: this list has no step, but lists REDUCE")
 
     def agree(
         self, stages: Collection[int], check: Callable[[], None], timeout: float, where: str

@@ -191,6 +191,13 @@ class Update(WithinCall):
         assert self._result is not None, "the list ran AGREE"
         return self._result
 
+    def reduce(self, stage: Stage) -> None:
+        """REDUCE: wait for ``stage``'s gradient all-reduces, armed as its last backward (or W)
+        made the gradients, and refuse a step with micro-batches not yet backpropagated."""
+        for sync in stage.syncs:
+            sync.finish()
+        stage.check_backpropagated()
+
     def agree(
         self, stages: Collection[int], check: Callable[[], None], timeout: float, where: str
     ) -> None:

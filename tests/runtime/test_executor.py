@@ -47,7 +47,8 @@ def test_every_action_kind_has_its_executor_method():
 
 def test_stage_step_steps_whatever_the_options():
     """Stage.step() is the optimizer step even in a pipeline that clips (or runs fp16): the
-    Update calls it after the list, it is never switched off by a flag on the stage."""
+    STEP action calls it through the Update as AGREE decided, it is never switched off by a
+    flag on the stage."""
     import pipetrain
 
     pipe = pipetrain.Pipeline(
