@@ -387,16 +387,24 @@ def simulated_twin(
     simulator's model of waiting gets wrong, and with stage means the spread of the actions'
     times: a step follows its slow actions, which the means smooth away. With ``rng`` each
     compute and optimizer step instead takes a time drawn from those its stage measured for
-    that kind in the step (:func:`drawn_costs`); average the bubble over several draws."""
+    that kind in the step (:func:`drawn_costs`); average the bubble over several draws. An
+    early weight pass and its B (schedules/early.py) always take their own measured times."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
     origin = min(s.start for s in spans)
     cores = shared_cores(traces)
     work = full_speed(spans, cores)
-    cost = measured_costs(spans, schedule.stages, work)
+    # an early weight pass (schedules/early.py) and its B take their own measured times: the
+    # stage's other backwards are whole, and its means are theirs
+    early = {Action(k, s, i) for s, i in schedule.early_weights.items() for k in (Kind.BACKWARD,
+                                                                                  Kind.WEIGHT)}
+    split = [x for x in spans if x.action in early]
+    whole = [x for x in spans if x.action not in early]
+    cost = measured_costs(whole, schedule.stages, work)
     latency = message_latency(spans)
     overhead = step_overheads(traces, step)
-    durations = drawn_costs(spans, work, rng) if rng is not None else None
+    durations = drawn_costs(whole, work, rng) if rng is not None else {}
+    durations.update({x.action: work[x.lane](x.start, x.end) for x in split})
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],

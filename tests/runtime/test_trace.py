@@ -25,7 +25,7 @@ from pipetrain.observe.trace import (
     simulated_twin,
     step_spans,
 )
-from schedules import Action, Kind, Span, build, simulate
+from schedules import Action, Kind, Span, build, simulate, with_early_weights
 from schedules.action import COMPUTE, STEP_KINDS
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
@@ -159,6 +159,25 @@ def test_the_twin_of_a_simulated_step_is_that_step():
         RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
         for r in range(4)
     ]
+    twin = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
+    assert len(twin) == len(step)
+    for s in step:
+        assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
+
+
+def test_the_twin_of_a_step_with_early_weight_passes_is_that_step():
+    # the early W and its input-only B keep their own times; the stages' other backwards are
+    # whole (backward + weight), and the twin does not add the W's time to them
+    schedule = with_early_weights(build("1f1b", 4, 4), [1, 2, 3])
+    step = simulate(
+        schedule, [1.0, 1.5, 0.5, 1.0], [2.0, 2.5, 1.5, 2.0], transfer=0.25, weight=0.75,
+        cores={(0, 2): 1, (1, 3): 1}, start=[0.3, 0.0, 0.1, 0.2],
+    ).timeline
+    traces = [
+        RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
+        for r in range(4)
+    ]
+    assert {s.action.kind for s in step} >= {Kind.WEIGHT, Kind.REDUCE, Kind.AGREE}
     twin = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
     assert len(twin) == len(step)
     for s in step:
