@@ -1,6 +1,6 @@
 """Micro-batch schedules as data, their validator and simulator. No torch here."""
 
-from schedules.action import Action, Kind, Schedule
+from schedules.action import Action, Kind, Schedule, step_tail, with_step_tail
 from schedules.asynchronous import (
     drain,
     for_call,
@@ -10,6 +10,7 @@ from schedules.asynchronous import (
     pipedream_2bw,
     unroll,
 )
+from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
 from schedules.generators import (
     from_order,
@@ -60,9 +61,12 @@ __all__ = [
     "register",
     "simulate",
     "steady_state",
+    "step_tail",
     "unregister",
     "unroll",
     "validate",
+    "with_early_weights",
+    "with_step_tail",
     "zero_bubble_h1",
     "zero_bubble_h2",
 ]

@@ -19,13 +19,23 @@ the executor hands the tensor over in memory.
 Backward split. A schedule either does each stage's whole backward in one B action, or splits it
 (zero-bubble schedules): B then computes only the gradient of the stage's input (what the
 previous stage waits for) and a later W action computes the weight gradients. A schedule with
-any W has one W per stage and micro-batch, after that micro-batch's B on that stage.
+any W has one W per stage and micro-batch, after that micro-batch's B on that stage; the runtime
+may also list one early W per stage, for its last backward only (``schedules/early.py``): that B
+sends its input gradients before the W computes the weight gradients.
+
+The step. A synchronous rank's list ends with its step, all of it as actions (:func:`step_tail`):
+REDUCE(s) for each of its stages (the gradients summed across replicas and stages sharing a
+weight), one AGREE (every rank's agreement on the step: non-finite check, clip norm), then
+STEP(s) for each of its stages (the optimizer update, or none where AGREE decided to skip).
+Older hand-written lists end with the STEPs alone, which still validate and run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import cached_property
 
 
 class Kind(str, Enum):
@@ -38,13 +48,27 @@ class Kind(str, Enum):
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
     RECV_GRAD = "RECV_GRAD"
-    STEP = "STEP"
+    REDUCE = "REDUCE"  # stage s's gradients summed across its replicas and tie groups
+    AGREE = "AGREE"  # once per rank (its lowest stage): every rank's agreement on the step
+    STEP = "STEP"  # the optimizer update of one stage
 
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT})
 SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
-TIMED = COMPUTE | {Kind.STEP}  # the actions that take a cost of their own
+STEP_KINDS = frozenset({Kind.REDUCE, Kind.AGREE, Kind.STEP})  # no micro-batch: the step's
+TIMED = COMPUTE | STEP_KINDS  # the actions that take a cost of their own
+
+
+def step_tail(stages: Sequence[int]) -> list[Action]:
+    """The end of a synchronous rank's list holding ``stages`` (ascending): each stage's REDUCE,
+    the rank's AGREE (named by its lowest stage), then each stage's STEP. The one place that
+    writes it."""
+    return (
+        [Action(Kind.REDUCE, s) for s in stages]
+        + [Action(Kind.AGREE, stages[0])]
+        + [Action(Kind.STEP, s) for s in stages]
+    )
 
 
 def check_sizes(stages: int, microbatches: int) -> None:
@@ -55,9 +79,26 @@ def check_sizes(stages: int, microbatches: int) -> None:
         raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
 
 
+def with_step_tail(schedule: Schedule) -> Schedule:
+    """``schedule`` with every synchronous list closed by its whole step (:func:`step_tail`):
+    an older hand-written list that ends with its STEPs alone gets its REDUCEs and AGREE
+    before them, which the runtime needs (the same schedule otherwise)."""
+    if schedule.asynchronous:
+        return schedule
+    actions = dict(schedule.actions)
+    for rank, ops in schedule.actions.items():
+        own = schedule.stages_on(rank)
+        if any(a.kind in (Kind.REDUCE, Kind.AGREE) for a in ops):
+            continue
+        if list(ops[len(ops) - len(own) :]) == [Action(Kind.STEP, s) for s in own]:
+            actions[rank] = (*ops[: len(ops) - len(own)], *step_tail(own))
+    return replace(schedule, actions=actions)
+
+
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of one stage on one micro-batch (``microbatch`` is -1 for ``STEP``)."""
+    """One unit of work of one stage on one micro-batch (``microbatch`` is -1 for the step's
+    REDUCE, AGREE and synchronous STEP)."""
 
     kind: Kind
     stage: int
@@ -87,9 +128,9 @@ class Action:
         return Action(pairs[self.kind], self.peer, self.microbatch)
 
     def __str__(self) -> str:
-        if self.kind is Kind.STEP:
+        if self.kind in STEP_KINDS:
             after = "" if self.microbatch == -1 else str(self.microbatch)
-            return f"{self.stage}:STEP{after}"
+            return f"{self.stage}:{self.kind.value}{after}"
         return f"{self.stage}:{self.kind.value}{self.microbatch}"
 
 
@@ -98,8 +139,9 @@ class Schedule:
     """Ordered actions of every rank for one mini-batch of ``microbatches`` micro-batches.
 
     ``placement[s]`` is the rank that runs stage s; leave it out for one stage per rank (it
-    becomes the identity). ``actions[r]`` is rank r's list; it ends with one STEP per stage the
-    rank holds (``Action(STEP, s)``, in ascending stage order).
+    becomes the identity). ``actions[r]`` is rank r's list; it ends with the rank's step
+    (:func:`step_tail`: REDUCE per stage, AGREE, STEP per stage, in ascending stage order; or,
+    in older hand-written lists, the STEPs alone).
 
     Asynchronous schedules (PipeDream 1F1B, 2BW; see ``schedules/asynchronous.py``) have a
     non-empty ``lag``: ``actions`` is then the steady-state list of ONE ``train_step`` call, which
@@ -161,8 +203,25 @@ class Schedule:
 
     @property
     def splits_backward(self) -> bool:
-        """True when the schedule has W actions: its B then computes input gradients only."""
-        return any(a.kind is Kind.WEIGHT for ops in self.actions.values() for a in ops)
+        """True when every micro-batch's backward is split (zero bubble): each B computes input
+        gradients only and a W per stage and micro-batch the weight gradients."""
+        return bool(self.weights) and len(self.weights) == self.stages * self.microbatches
+
+    @property
+    def early_weights(self) -> dict[int, int]:
+        """Per stage, the micro-batch of its one early W (``schedules/early.py``: its last
+        backward's weight gradients, listed apart) in a schedule that does not split every
+        backward; empty otherwise."""
+        return {} if self.splits_backward else dict(self.weights)
+
+    @cached_property
+    def weights(self) -> frozenset[tuple[int, int]]:
+        """The (stage, micro-batch) pairs whose W is listed: their B computes input gradients
+        only."""
+        return frozenset(
+            (a.stage, a.microbatch)
+            for ops in self.actions.values() for a in ops if a.kind is Kind.WEIGHT
+        )
 
     def rank_of(self, stage: int) -> int:
         """The rank that runs ``stage``."""

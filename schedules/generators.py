@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from schedules.action import Action, Kind, Schedule, check_sizes
+from schedules.action import Action, Kind, Schedule, check_sizes, step_tail
 from schedules.messages import with_messages
 
 
@@ -26,7 +26,7 @@ def from_order(
     placement: Sequence[int] | None = None,
 ) -> Schedule:
     """The schedule ``name`` whose rank r computes ``order(r)`` (its F, B and W actions in
-    order); :func:`schedules.messages.with_messages` adds the sends, receives and STEPs. The
+    order); :func:`schedules.messages.with_messages` adds the sends, receives and the step. The
     interleaved and zero-bubble generators end here, and so can a new synchronous one."""
     where = tuple(range(stages)) if placement is None else tuple(placement)
     ranks = max(where, default=-1) + 1
@@ -61,7 +61,7 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     for s in range(stages):
         ops = [a for i in range(microbatches) for a in _forward(s, stages, i)]
         ops += [a for i in range(microbatches) for a in _backward(s, stages, i)]
-        ops.append(Action(Kind.STEP, s))
+        ops += step_tail([s])
         actions[s] = tuple(ops)
     return Schedule("gpipe", stages, microbatches, actions)
 
@@ -90,7 +90,7 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
                 ops += fwd + bwd
         for j in range(microbatches - warmup, microbatches):
             ops += _backward(s, stages, j)
-        ops.append(Action(Kind.STEP, s))
+        ops += step_tail([s])
         actions[s] = tuple(ops)
     return Schedule("1f1b", stages, microbatches, actions)
 

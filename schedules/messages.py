@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from schedules.action import Action, Kind
+from schedules.action import Action, Kind, step_tail
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 
@@ -50,7 +50,8 @@ def with_messages(
     placement: Sequence[int],
     compute: Mapping[int, Sequence[Action]],
 ) -> dict[int, tuple[Action, ...]]:
-    """Each rank's compute order with its sends, receives and final STEPs filled in.
+    """Each rank's compute order with its sends, receives and closing step (REDUCE, AGREE,
+    STEP: :func:`schedules.action.step_tail`) filled in.
 
     ``compute[r]`` is rank r's F/B/W actions in order. Raises ValueError if the orders can
     never finish (a compute waits on one that its own rank only reaches later).
@@ -80,5 +81,5 @@ def with_messages(
             remaining -= 1
         finished.update(ready)
     for r in lists:
-        lists[r] += [Action(Kind.STEP, s) for s, where in enumerate(placement) if where == r]
+        lists[r] += step_tail([s for s, where in enumerate(placement) if where == r])
     return {r: tuple(ops) for r, ops in lists.items()}

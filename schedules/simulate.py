@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from schedules.action import RECVS, SENDS, TIMED, Action, Kind, Schedule
+from schedules.action import COMPUTE, RECVS, SENDS, TIMED, Action, Kind, Schedule
 from schedules.asynchronous import unroll
 from schedules.timeline import Span
 from schedules.validate import validate
@@ -86,13 +86,18 @@ def _compute_costs(
     backward: float | Sequence[float],
     weight: float | Sequence[float] | None,
     optimizer_step: float | Sequence[float],
+    reduce: float | Sequence[float] = 0.0,
+    agree: float | Sequence[float] = 0.0,
 ) -> dict[Kind, list[float]]:
-    """Per-stage cost of each compute kind. ``backward`` + ``weight`` is a stage's whole
-    backward: a schedule with W spends them in B and W; one without spends their sum in B."""
+    """Per-stage cost of each timed kind. ``backward`` + ``weight`` is a stage's whole
+    backward: a schedule with W spends them in B and W; one without spends their sum in B
+    (except where it lists an early W: see :meth:`_Run._cost`)."""
     p = schedule.stages
     fwd = _per_stage(forward, p, "forward")
     bwd = _per_stage(backward, p, "backward")
     step = _per_stage(optimizer_step, p, "optimizer_step")
+    sums = _per_stage(reduce, p, "reduce")
+    agreement = _per_stage(agree, p, "agree")
     if weight is None:
         if schedule.splits_backward:
             raise ValueError(
@@ -105,7 +110,10 @@ def _compute_costs(
         wgt = _per_stage(weight, p, "weight")
     if not schedule.splits_backward:
         bwd = [b + w for b, w in zip(bwd, wgt, strict=True)]
-    return {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT: wgt, Kind.STEP: step}
+    return {
+        Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT: wgt, Kind.STEP: step,
+        Kind.REDUCE: sums, Kind.AGREE: agreement,
+    }
 
 
 # how each compute changes (micro-batches held, micro-batches holding everything)
@@ -128,6 +136,8 @@ def simulate(
     durations: Mapping[Action, float] | None = None,
     calls: int = 1,
     flush: bool = True,
+    reduce: float | Sequence[float] = 0.0,
+    agree: float | Sequence[float] = 0.0,
 ) -> Simulation:
     """Simulate one mini-batch. ``forward``/``backward``/``weight``/``optimizer_step`` are
     per-stage times for one micro-batch (a scalar applies to every stage); ``transfer`` is the
@@ -163,12 +173,18 @@ def simulate(
     An asynchronous schedule is simulated over ``calls`` consecutive train_steps followed by
     the flush (unless ``flush=False``), as ``schedules.asynchronous.unroll`` writes them; its
     steady-state cost per train_step is ``steady_state``'s.
+
+    ``reduce`` and ``agree``: per stage, the time of its REDUCE (gradients summed across
+    replicas and tied stages) and of the AGREE its rank's lowest stage names (the step's
+    agreement), 0 by default. Neither takes the per-action ``overhead``, and AGREE's wait for
+    the other ranks is not modelled: each rank's step time is its own work's.
     """
     validate(schedule)
     if schedule.asynchronous:
         schedule = unroll(schedule, calls, flush)
-    return _Run(schedule, forward, backward, weight, optimizer_step, transfer, overhead,
-                cores, copy, start, durations or {}).result()
+    costs = _compute_costs(schedule, forward, backward, weight, optimizer_step, reduce, agree)
+    return _Run(schedule, costs, _per_stage(backward, schedule.stages, "backward"), transfer,
+                overhead, cores, copy, start, durations or {}).result()
 
 
 @dataclass
@@ -266,11 +282,12 @@ class _Run:
     its own rank's pool; it leaves when both are done."""
 
     def __init__(  # type: ignore[no-untyped-def]
-        self, schedule: Schedule, forward, backward, weight, optimizer_step, transfer,
-        overhead, cores: Cores, copy, start, durations: Mapping[Action, float],
+        self, schedule: Schedule, cost: dict[Kind, list[float]], input_only: list[float],
+        transfer, overhead, cores: Cores, copy, start, durations: Mapping[Action, float],
     ):
         self.schedule = schedule
-        self.cost = _compute_costs(schedule, forward, backward, weight, optimizer_step)
+        self.cost, self.input_only = cost, input_only  # input_only: B when its W is listed
+        self.early = schedule.early_weights
         self.durations = _durations(schedule, durations)
         ranks = schedule.ranks
         self.link = _per_stage(transfer, max(schedule.stages - 1, 0), "transfer")
@@ -281,7 +298,6 @@ class _Run:
             raise ValueError(f"start times must be at least 0, got {self.start}")
         self.pool = _pools(cores, ranks)
         self.pools = list({id(pool): pool for pool in self.pool}.values())
-        self.memory = _MEMORY_SPLIT if schedule.splits_backward else _MEMORY_WHOLE
         self.now = 0.0
         self.cursor = [0] * ranks
         self.free_since = list(self.start)  # when the rank last became free (a wait starts there)
@@ -346,9 +362,20 @@ class _Run:
         self.pool[r].start(work, r, r)
         return True
 
+    def _split(self, a: Action) -> bool:
+        """Whether B ``a`` computes input gradients only (a W of its own is listed)."""
+        return self.schedule.splits_backward or self.early.get(a.stage) == a.microbatch
+
     def _cost(self, a: Action) -> float:
-        """Full-speed seconds of compute or step action ``a``."""
+        """Full-speed seconds of compute or step action ``a``: an early W's B costs
+        ``backward`` alone, the W ``weight``."""
+        if a.kind is Kind.BACKWARD and self.early.get(a.stage) == a.microbatch:
+            return self.durations.get(a, self.input_only[a.stage])
         return self.durations.get(a, self.cost[a.kind][a.stage])
+
+    def _overhead(self, r: int, a: Action) -> float:
+        """The runtime's own time after action ``a`` (none after REDUCE and AGREE)."""
+        return 0.0 if a.kind in (Kind.REDUCE, Kind.AGREE) else self.extra[r]
 
     def _post(self, receive: Action, hop: float) -> None:
         """The message for ``receive`` leaves now and lands ``hop`` later."""
@@ -372,7 +399,7 @@ class _Run:
                 return
             else:
                 self._done(r, a)
-            if self._run(r, self.extra[r], overhead=True):
+            if self._run(r, self._overhead(r, a), overhead=True):
                 return
             self.cursor[r] += 1
             self.free_since[r] = self.now
@@ -381,7 +408,7 @@ class _Run:
         """Compute or step action ``a`` of rank r ends now."""
         cost = self._cost(a)
         self._span(a, self.started[r] if cost > 0 else self.now, r)
-        if a.kind is not Kind.STEP:  # at full speed it took its cost (to the last bit)
+        if a.kind in COMPUTE:  # at full speed it took its cost (to the last bit)
             self.busy[r] += cost if self.pool[r].unlimited else self.spans[-1].duration
         for receive, hop, copy in self.sends.get(a, ()):
             if copy <= 0:
@@ -390,7 +417,8 @@ class _Run:
             self.copying[receive] = [2, hop]
             for side in (r, self.schedule.rank_of(receive.stage)):
                 self.pool[side].start(copy, next(self.order), (receive, side))
-        d_held, d_full = self.memory.get(a.kind, (0, 0))
+        memory = _MEMORY_SPLIT if a.kind is not Kind.BACKWARD or self._split(a) else _MEMORY_WHOLE
+        d_held, d_full = memory.get(a.kind, (0, 0))
         self.held[r] += d_held
         self.full[r] += d_full
         self.peak[r] = max(self.peak[r], self.held[r])
@@ -418,7 +446,7 @@ class _Run:
             a = self.schedule.actions[r][self.cursor[r]]
             if not self.in_overhead[r]:
                 self._done(r, a)
-                if self._run(r, self.extra[r], overhead=True):
+                if self._run(r, self._overhead(r, a), overhead=True):
                     continue
             self.cursor[r] += 1
             self.free_since[r] = self.now

@@ -3,10 +3,12 @@
 Complete: every stage forwards and backwards each micro-batch exactly once (and, in a schedule
 with W actions, does one W per micro-batch after its B), receives before it computes, sends
 after it computes, hands tensors to a stage on its own rank in order (F(s) before F(s+1),
-B(s+1) before B(s)), and each rank ends with the optimizer STEPs of its stages. Messages exist
-only between stages on different ranks. Deadlock-free: executing all ranks with sends that
-block until their receive is posted (rendezvous) finishes; since the runtime's sends never
-block, it cannot hang where this model does not.
+B(s+1) before B(s)), and each rank ends with its step: the REDUCE of each of its stages, its
+AGREE and the STEP of each stage (or, in older hand-written lists, the STEPs alone). A schedule
+that does not split every backward may list one early W per stage, its last backward's.
+Messages exist only between stages on different ranks. Deadlock-free: executing all ranks
+with sends that block until their receive is posted (rendezvous) finishes; since the
+runtime's sends never block, it cannot hang where this model does not.
 
 Messages name ranks as "stage N" when every rank runs one stage (the common case) and as
 "rank N" otherwise.
@@ -15,8 +17,9 @@ Messages name ranks as "stage N" when every rank runs one stage (the common case
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
-from schedules.action import RECVS, SENDS, Action, Kind, Schedule
+from schedules.action import RECVS, SENDS, STEP_KINDS, Action, Kind, Schedule, step_tail
 from schedules.asynchronous import measure_lag, unroll
 from schedules.errors import ScheduleError
 
@@ -57,21 +60,55 @@ def _order_rules(schedule: Schedule, stage: int, mb: int) -> list[tuple[Action, 
     return rules
 
 
-def _check_steps(schedule: Schedule, rank: int, ops: list[Action]) -> None:
-    """The rank's list ends with exactly one STEP per stage it runs, ascending."""
+def _check_steps(schedule: Schedule, rank: int, ops: list[Action]) -> list[Action]:
+    """The rank's step actions come in order: its step (:func:`schedules.action.step_tail`:
+    REDUCE per stage, AGREE, STEP per stage, ascending) or, as older hand-written lists have
+    it, exactly one STEP per stage it runs, ascending. Returns the list without them (that
+    they come after it is :func:`_check_last`'s)."""
     own = schedule.stages_on(rank)
-    steps = [i for i, a in enumerate(ops) if a.kind is Kind.STEP]
-    tail = ops[len(ops) - len(own) :]
-    if steps == [len(ops) - len(own) + k for k in range(len(own))] and tail == [
-        Action(Kind.STEP, s) for s in own
-    ]:
-        return
+    closing = [a for a in ops if a.kind in STEP_KINDS]
+    if closing in (step_tail(own), [Action(Kind.STEP, s) for s in own]):
+        return [a for a in ops if a.kind not in STEP_KINDS]
+    _refuse_steps(schedule, rank, ops)
+
+
+def _check_last(schedule: Schedule, rank: int, ops: list[Action]) -> None:
+    """Nothing follows the first of the rank's step actions but the others."""
+    first = next(i for i, a in enumerate(ops) if a.kind in STEP_KINDS)
+    if any(a.kind not in STEP_KINDS for a in ops[first:]):
+        _refuse_steps(schedule, rank, ops)
+
+
+def _refuse_steps(schedule: Schedule, rank: int, ops: list[Action]) -> NoReturn:
+    own = schedule.stages_on(rank)
+    found = ", ".join(f"{a} at {i}" for i, a in enumerate(ops) if a.kind in STEP_KINDS)
+    step = (
+        f"after its step's {', '.join(map(str, step_tail(own)[: len(own) + 1]))} (or, in an "
+        "older list, alone)"
+    )
     if schedule.one_stage_per_rank:
-        raise ScheduleError(f"stage {rank} must end with exactly one STEP, found it at {steps}")
+        raise ScheduleError(
+            f"stage {rank} must end with exactly one STEP, {step}; found {found or 'none'}"
+        )
     raise ScheduleError(
         f"rank {rank} must end with one STEP for each of its stages {list(own)} in that order, "
-        f"found STEPs at {steps}"
+        f"{step}; found {found or 'none'}"
     )
+
+
+def _early_weights(schedule: Schedule) -> set[Action] | None:
+    """The Ws of a schedule that does not split every backward, where they are early weight
+    passes (schedules/early.py): at most one per stage, that of its last backward. None for a
+    stray W (every W is then required)."""
+    found: set[Action] = set()
+    for ops in schedule.actions.values():
+        for s in {a.stage for a in ops if a.kind is Kind.WEIGHT}:
+            weights = [a for a in ops if a.kind is Kind.WEIGHT and a.stage == s]
+            backwards = [a.microbatch for a in ops if a.kind is Kind.BACKWARD and a.stage == s]
+            if len(weights) > 1 or backwards[-1:] != [weights[0].microbatch]:
+                return None
+            found.update(weights)
+    return found
 
 
 def check_rank(
@@ -95,8 +132,7 @@ def check_rank(
         raise ScheduleError(f"{who} lists actions of another stage: {wrong[0]}{context}")
     work = list(ops)
     if closing_steps:
-        _check_steps(schedule, rank, work)
-        work = work[: len(work) - len(own)]
+        work = _check_steps(schedule, rank, work)
     seen: set[Action] = set()
     for a in work:
         if a in seen:
@@ -118,14 +154,18 @@ def check_rank(
             for a, b in _order_rules(schedule, s, i):
                 if a in position and b in position and position[a] > position[b]:
                     raise ScheduleError(f"{who} does {b} before {a}{context}")
+    if closing_steps:
+        _check_last(schedule, rank, list(ops))
 
 
 def check_complete(schedule: Schedule) -> None:
     """Raise ScheduleError unless each stage does each micro-batch's work once, in order."""
-    weight = schedule.splits_backward
+    early = None if schedule.splits_backward else _early_weights(schedule)
+    weight = early is None  # every W: a zero-bubble schedule, or one with a stray W
     for r in range(schedule.ranks):
         own = schedule.stages_on(r)
         expected = set().union(*(_expected(schedule, s, weight) for s in own))
+        expected |= {a for a in early or () if a.stage in own}
         check_rank(schedule, r, schedule.actions[r], expected, closing_steps=True)
 
 

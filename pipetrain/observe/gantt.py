@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from schedules import Kind, Span, bubble_fraction
+from schedules.action import STEP_KINDS, TIMED
 
 
 def pyplot() -> Any:
@@ -29,17 +30,21 @@ def pyplot() -> Any:
 
 
 STEP_COLOUR = "0.6"  # optimizer steps: grey
+STEP_COLOURS = {Kind.REDUCE: "0.8", Kind.AGREE: "0.4", Kind.STEP: STEP_COLOUR}  # the step's
 
 
 def legend(kinds: set[Kind]) -> list[tuple[str, int | str, str | None]]:
     """(label, colour, hatch) of each kind of bar drawn: a micro-batch's forward in the dark
     shade of its colour, its backward in the light one (hatched: weight gradients, W), and the
-    optimizer step in grey. Colours stand for micro-batches, so the legend shows the shades
+    step's actions in greys: the gradient reduction light, the agreement dark, the optimizer
+    step between. Colours stand for micro-batches, so the legend shows the shades
     of micro-batch 0 (an int: a colour of the tab20 map; a str: a matplotlib colour)."""
     entries: list[tuple[str, int | str, str | None, Kind]] = [
         ("forward (dark shade)", 0, None, Kind.FORWARD),
         ("backward (light shade)", 1, None, Kind.BACKWARD),
         ("weight gradient (W)", 1, "//", Kind.WEIGHT),
+        ("gradient reduction (REDUCE)", STEP_COLOURS[Kind.REDUCE], None, Kind.REDUCE),
+        ("step agreement (AGREE)", STEP_COLOURS[Kind.AGREE], None, Kind.AGREE),
         ("optimizer step", STEP_COLOUR, None, Kind.STEP),
     ]
     return [(label, colour, hatch) for label, colour, hatch, kind in entries if kind in kinds]
@@ -61,16 +66,16 @@ def draw(panels: Sequence[tuple[str, Sequence[Span]]], path: str | Path) -> Path
         origin = min((s.start for s in spans), default=0.0)
         for s in spans:
             a = s.action
-            if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
+            if a.kind not in TIMED:
                 continue
-            colour: object = STEP_COLOUR
-            if a.kind is not Kind.STEP:
+            colour: object = STEP_COLOURS.get(a.kind)
+            if a.kind not in STEP_KINDS:
                 colour = colours((2 * a.microbatch + (a.kind is not Kind.FORWARD)) % 20)
             start, width = (s.start - origin) * 1e3, s.duration * 1e3
             hatch = "//" if a.kind is Kind.WEIGHT else None
             ax.barh(s.lane, width, left=start, height=0.8, color=colour, edgecolor="white",
                     hatch=hatch)
-            if a.kind is not Kind.STEP:
+            if a.kind not in STEP_KINDS:
                 label = str(a) if by_rank else f"{a.kind.value}{a.microbatch}"
                 ax.text(start + width / 2, s.lane, label,
                         ha="center", va="center", fontsize=6, clip_on=True)

@@ -16,7 +16,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from schedules import Action, Kind, Schedule, Span, bubble_fraction, build, simulate
-from schedules.action import COMPUTE, RECVS, SENDS, TIMED
+from schedules import (
+    Action,
+    Kind,
+    Schedule,
+    Span,
+    bubble_fraction,
+    build,
+    simulate,
+    with_early_weights,
+    with_step_tail,
+)
+from schedules.action import COMPUTE, RECVS, SENDS, STEP_KINDS, TIMED
 from schedules.simulate import Cores
 
 FORMAT = "pipetrain-trace"
@@ -122,13 +132,24 @@ def load(path: str | Path) -> RankTrace:
 
 
 def load_folder(folder: str | Path) -> list[RankTrace]:
+    """Every rank's trace in ``folder``, by stage; their schedule is the list the ranks ran:
+    with the whole step (:func:`schedules.with_step_tail`) and the early weight passes
+    (schedules/early.py)."""
     paths = sorted(Path(folder).glob("trace-rank*.json"))
     if not paths:
         raise FileNotFoundError(
             f"no trace-rank*.json in {folder}; train with Pipeline(..., trace=DIR) or "
             "PIPETRAIN_TRACE=DIR first"
         )
-    return sorted((load(p) for p in paths), key=lambda t: t.stage)
+    traces = sorted((load(p) for p in paths), key=lambda t: t.stage)
+    schedule = with_step_tail(traces[0].schedule)  # as the runtime ran it
+    early = {
+        s.action.stage for t in traces for step in t.steps for s in step
+        if s.action.kind is Kind.WEIGHT
+    }
+    if early and not schedule.splits_backward:
+        schedule = with_early_weights(schedule, early)
+    return [replace(t, schedule=schedule) for t in traces]
 
 
 def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
@@ -142,7 +163,7 @@ def chrome_trace(traces: Sequence[RankTrace]) -> dict[str, Any]:
         for number, spans in enumerate(t.steps):
             for s in spans:
                 a = s.action
-                label = "STEP" if a.kind is Kind.STEP else f"{a.kind.value}{a.microbatch}"
+                label = a.kind.value if a.kind in STEP_KINDS else f"{a.kind.value}{a.microbatch}"
                 events.append({
                     "ph": "X", "pid": 0, "tid": t.rank, "name": label, "cat": a.kind.name,
                     "ts": (s.start - origin) * 1e6, "dur": s.duration * 1e6,
@@ -279,10 +300,11 @@ def _shared_work(spans: Sequence[Span], cores: int) -> Work:
 def measured_costs(
     spans: Sequence[Span], stages: int, work: Mapping[int, Work] | None = None
 ) -> dict[Kind, list[float]]:
-    """Each stage's mean forward, backward, weight and optimizer-step time in ``spans``
-    (in full-speed seconds by each rank's ``work``, when given; see :func:`full_speed`)."""
+    """Each stage's mean time of each timed kind in ``spans``: forward, backward, weight, and
+    the step's gradient reduction, agreement and optimizer update (in full-speed seconds by
+    each rank's ``work``, when given; see :func:`full_speed`)."""
     costs = {}
-    for kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP):
+    for kind in sorted(TIMED, key=lambda k: k.value):
         mean = [0.0] * stages
         for s in range(stages):
             times = [
@@ -311,16 +333,18 @@ def drawn_costs(
 
 def runtime_overhead(spans: Sequence[Span], work: Work | None = None) -> float:
     """One rank's own time per action in one step: the part of its step that is neither
-    compute, an optimizer step nor a receive (waiting for a message is the simulator's to
-    reproduce), spread over its actions. It holds the gaps between actions (posting messages,
-    bookkeeping, the process losing its core) and the sends' short spans. In full-speed
-    seconds by ``work``, when given."""
+    compute, a step action nor a receive (waiting for a message is the simulator's to
+    reproduce), spread over its actions but REDUCE and AGREE (which the simulator gives no
+    overhead). It holds the gaps between actions (posting messages, bookkeeping, the process
+    losing its core) and the sends' short spans. In full-speed seconds by ``work``, when
+    given."""
     if not spans:
         return 0.0
     took = work or _elapsed
     length = took(min(s.start for s in spans), max(s.end for s in spans))
     accounted = sum(took(s.start, s.end) for s in spans if s.action.kind not in SENDS)
-    return max(length - accounted, 0.0) / len(spans)
+    counted = [s for s in spans if s.action.kind not in (Kind.REDUCE, Kind.AGREE)]
+    return max(length - accounted, 0.0) / max(len(counted), 1)
 
 
 def message_latency(spans: Sequence[Span]) -> float | None:
@@ -363,21 +387,30 @@ def simulated_twin(
     simulator's model of waiting gets wrong, and with stage means the spread of the actions'
     times: a step follows its slow actions, which the means smooth away. With ``rng`` each
     compute and optimizer step instead takes a time drawn from those its stage measured for
-    that kind in the step (:func:`drawn_costs`); average the bubble over several draws."""
+    that kind in the step (:func:`drawn_costs`); average the bubble over several draws. An
+    early weight pass and its B (schedules/early.py) always take their own measured times."""
     schedule = traces[0].schedule
     spans = step_spans(traces, step)
     origin = min(s.start for s in spans)
     cores = shared_cores(traces)
     work = full_speed(spans, cores)
-    cost = measured_costs(spans, schedule.stages, work)
+    # an early weight pass (schedules/early.py) and its B take their own measured times: the
+    # stage's other backwards are whole, and its means are theirs
+    early = {Action(k, s, i) for s, i in schedule.early_weights.items() for k in (Kind.BACKWARD,
+                                                                                  Kind.WEIGHT)}
+    split = [x for x in spans if x.action in early]
+    whole = [x for x in spans if x.action not in early]
+    cost = measured_costs(whole, schedule.stages, work)
     latency = message_latency(spans)
     overhead = step_overheads(traces, step)
-    durations = drawn_costs(spans, work, rng) if rng is not None else None
+    durations = drawn_costs(whole, work, rng) if rng is not None else {}
+    durations.update({x.action: work[x.lane](x.start, x.end) for x in split})
     return list(
         simulate(
             schedule, cost[Kind.FORWARD], cost[Kind.BACKWARD],
             transfer=max(t.link_latency for t in traces) if latency is None else latency,
             optimizer_step=cost[Kind.STEP], weight=cost[Kind.WEIGHT], overhead=overhead,
+            reduce=cost[Kind.REDUCE], agree=cost[Kind.AGREE],
             cores=cores, start=[min(s.start for s in t.steps[step]) - origin for t in traces],
             durations=durations,
         ).timeline

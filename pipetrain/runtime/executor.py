@@ -10,10 +10,17 @@ against ``Kind`` at import); a compute method returns the sends its result feeds
 posts them. Overlap lives here and only here: a send is posted the moment the compute
 that produced its tensor ends (never later than the schedule lists it, so it
 cannot add a wait), and receives are posted a few actions ahead of where they are waited on, as
-soon as their shapes are known. The last backward of each stage but the first sends its input
-gradients before it computes its weight gradients where that costs nothing extra, so that the
-pipeline's drain waits for fewer weight gradients. Every wait has a timeout and, on failure,
-names the peer, the micro-batch and this stage's position in its schedule.
+soon as their shapes are known. Where the runtime lists an early W (schedules/early.py: the
+last backward of a stage sends its input gradients before its W computes the weight gradients),
+that B's forward is cut so that it can. Every wait has a timeout and, on failure, names the
+peer, the micro-batch and this stage's position in its schedule.
+
+The step is actions too: REDUCE, AGREE and STEP (schedules/action.py) go to the step handler
+(pipetrain/runtime/handler.py) the call brings, which also says how messages live across calls:
+pipetrain/runtime/update.py's ``Update`` for synchronous lists (messages within a call, the
+step agreed by every rank), pipetrain/runtime/inflight.py's ``InFlight`` for asynchronous ones
+(messages numbered by global micro-batch and carried from call to call, each STEP an update).
+The executor itself never asks which kind of schedule it runs.
 
 Shapes travel in a header before a boundary's first micro-batch of each call, since they may
 change between mini-batches. So that the first payload's receive need not wait for the header
@@ -25,10 +32,11 @@ too: when they changed, it first sends a stand-in of the old shapes to fill that
 A gradient may be absent: a stage whose input got no gradient (a detached path) sends none,
 so that the stages before it leave ``.grad`` None and an optimizer skips their weights, as
 in plain training. The receiver has posted its receive already, so the message keeps its
-tensors (zeros stand in), and in each call of a synchronous schedule the gradients of the
-sending stage's first backward come with a second header saying which are there, which the
-receiver waits for at its first gradient receive; every micro-batch of the call must have
-the same ones. Asynchronous schedules send every gradient (zeros where none flows).
+tensors (zeros stand in), and where messages stay within a call (the step handler's
+``announces_presence``) the gradients of the sending stage's first backward come with a second
+header saying which are there, which the receiver waits for at its first gradient receive;
+every micro-batch of the call must have the same ones. Across calls (asynchronous schedules)
+every gradient is sent (zeros where none flows).
 """
 
 from __future__ import annotations
@@ -36,7 +44,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -44,6 +51,7 @@ import torch
 from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError, StageError
 from pipetrain.observe.progress import logger
 from pipetrain.observe.trace import Recorder
+from pipetrain.runtime.handler import Call
 from pipetrain.runtime.meta import (
     HEADER_LEN,
     BoundaryMeta,
@@ -58,6 +66,7 @@ from pipetrain.runtime.meta import (
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tags import ACTIVATION, GRADIENT, HEADER, TagLayout
 from pipetrain.runtime.transport import Handle, Transport
+from pipetrain.runtime.update import Update
 from schedules import Action, Kind, Schedule
 from schedules.action import COMPUTE, RECVS
 from schedules.listing import excerpt
@@ -65,28 +74,6 @@ from schedules.listing import excerpt
 Outgoing = tuple[Action, list[torch.Tensor], bool]  # a send to post: action, tensors, header?
 HEADER_META = (TensorMeta((HEADER_LEN,), torch.int64, False),)
 RECV_LOOKAHEAD = 2  # receives posted ahead of the one being waited on
-
-
-@dataclass
-class Carry:
-    """What outlives one call of a rank's list: the same object is handed to every call."""
-
-    shapes_in: dict[int, BoundaryMeta] = field(default_factory=dict)
-    """Per stage, the boundary shapes it received in the last call (its first payload's
-    receive is posted with them, before the header arrives)."""
-    shapes_out: dict[int, BoundaryMeta] = field(default_factory=dict)
-    """Per stage, the boundary shapes it sent in the last call (when they change, a stand-in
-    of these fills the receiver's early receive)."""
-    headers: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per stage, the header encoding ``shapes_out`` (sent again while they stay the same:
-    only its reader touches it)."""
-    presence: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
-    """The headers saying which gradients a message holds, per pattern (sent again)."""
-    in_flight: dict[tuple[int, int], BoundaryMeta] = field(default_factory=dict)
-    """Asynchronous schedules: (stage, global micro-batch) -> the shapes its forward sent, for
-    the receive of the gradient that comes back in a later call."""
-    sends: list[tuple[Action, Handle]] = field(default_factory=list)
-    """Asynchronous schedules: the last call's sends, which the peer receives in its next call."""
 
 
 def _peer(action: Action) -> int:
@@ -114,44 +101,45 @@ class Executor:
         schedule: Schedule,
         rank: int,
         timeout: float,
-        training: bool = True,
         recorder: Recorder | None = None,
-        base: int = 0,
-        carry: Carry | None = None,
         losses_done: Callable[[], None] | None = None,
-        loss_scale: float | torch.Tensor = 1.0,
+        call: Call | None = None,
     ):
-        """``base`` serves asynchronous schedules, whose micro-batches outlive a call: the
-        stages know micro-batch i of this list as ``base + i`` (a global number). ``carry`` (the
-        same :class:`Carry` on every call of this rank) keeps what outlives a call.
-        ``losses_done`` is called the moment the last stage's last forward of the list ends:
-        every loss of the mini-batch is known then, before the backwards that follow.
-        ``loss_scale`` is what the last stage's backward starts from (fp16's, else 1)."""
+        """``call`` (pipetrain/runtime/handler.py) holds the step handler, this rank's
+        :class:`Carry` (what outlives a call), the global number of the list's micro-batch 0
+        and whether it trains; without it, the list trains ``stages`` alone, as a pipeline of
+        one rank would (an :class:`Update` of them). ``losses_done`` is called the moment the
+        last stage's last forward of the list ends: every loss of the mini-batch is known
+        then, before the backwards that follow."""
         self.stages = {stage.index: stage for stage in stages}
-        self.base, self.carry = base, carry if carry is not None else Carry()
+        self.call = call if call is not None else Call(Update(stages))
+        self.handler, self.carry = self.call.handler, self.call.carry
+        self.base, self.training = self.call.base, self.call.training
         self.schedule, self.rank = schedule, rank
         self.transport, self.actions = transport, list(schedule.actions[rank])
-        self.timeout, self.training, self.recorder = timeout, training, recorder
+        self.timeout, self.recorder = timeout, recorder
         self.compute_time = 0.0  # seconds of forward, backward and weight work in the last run
-        self.losses_done, self.loss_scale = losses_done, loss_scale
+        self.losses_done = losses_done
+        holds_last = any(stage.is_last for stage in stages)  # whose backward starts from it
+        self.loss_scale = self.handler.loss_scale() if self.training and holds_last else 1.0
         last_forwards = [
             i for i, a in enumerate(self.actions)
             if a.kind is Kind.FORWARD and self.stages[a.stage].is_last
         ]
         self._losses_at = last_forwards[-1] if last_forwards else -1
-        self._cycle = schedule.microbatches + schedule.stages  # asynchronous: see _tag
-        self.tags = TagLayout(
-            schedule.stages, self._cycle if schedule.asynchronous else schedule.microbatches
-        )
+        self._cycle = self.handler.cycle(schedule)  # message numbers: see _tag
+        self.tags = TagLayout(schedule.stages, self._cycle)
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in RECVS]
-        # Each stage's gradient syncs arm before its last action that makes weight gradients.
+        # Each stage's gradient syncs arm before its last action that makes weight gradients
+        # (its last B: an early W follows it, and each weight's gradient still arrives once).
         grads = Kind.WEIGHT if schedule.splits_backward else Kind.BACKWARD
         self._arm_at = {
             max(i for i, a in enumerate(self.actions) if a.kind is grads and a.stage == s): s
             for s in self.stages
             if any(a.kind is grads and a.stage == s for a in self.actions)
         }
-        self._early = self._early_gradients() if training else {}
+        # the micro-batch whose forward is cut for its early W (schedules/early.py)
+        self._early = schedule.early_weights
         # the header of which gradients are there: sent with each stage's first backward,
         # waited for at each stage's first gradient receive (see the module docstring)
         self._first_backward: dict[int, int] = {}
@@ -163,7 +151,6 @@ class Executor:
         for a in self.actions:
             if a.kind is Kind.RECV_GRAD:
                 self._first_recv_grad.setdefault(a.stage, a)
-        self._owed: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> W's key, see _do_send
 
     def run(self, inputs: Sequence[object] | None, targets: Sequence[object] | None) -> list[Any]:
         """Execute the whole list. Returns the outputs of every micro-batch on the last stage
@@ -190,34 +177,18 @@ class Executor:
             self._run_actions()
         return self._outputs
 
-    def _early_gradients(self) -> dict[int, int]:
-        """Per stage, the micro-batch whose backward sends its input gradients before it
-        computes its weight gradients: the stage's last backward, for which the previous
-        stage (on another rank) waits to run its own last backward. Sending first takes the
-        weight-gradient half of the backward off the pipeline's drain, once per stage boundary
-        (the two halves cost about one whole backward when the forward was cut; the cuts are
-        made for this micro-batch only). Not where the schedule places W itself (zero bubble),
-        weights change between micro-batches (asynchronous), or a CUDA graph replays it."""
-        if self.schedule.splits_backward or self.schedule.asynchronous:
-            return {}
-        last = {a.stage: a.microbatch for a in self.actions if a.kind is Kind.BACKWARD}
-        return {
-            s: i for s, i in last.items()
-            if not self.stages[s].is_first and not self.schedule.local(s, s - 1)
-            and self.stages[s].graphs is None
-        }
-
     @contextmanager
     def _weight_casts(self) -> Iterator[None]:
         """Under autocast, cast each weight once per call rather than once per micro-batch:
         autocast keeps its casts until the outermost autocast region ends, and holding its
         nesting open across the call (without enabling autocast, so no backward runs under
         it) keeps them for every forward of the call. The casts are bit-identical to fresh
-        ones and the weights do not change within a held call (a synchronous list steps after
-        it; asynchronous stages, which step inside their lists, read weight versions and hold
-        nothing), so results are unchanged; one cast per weight is kept alive instead of
-        one per micro-batch in flight. Not with CUDA graphs (captured without the cache) or
-        weight versions (each micro-batch reads weights of its own)."""
+        ones and no forward of a held call follows a change of its weights (a synchronous list
+        steps at its end, the casts cleared with the call; asynchronous stages, which step
+        between forwards, read weight versions and hold nothing), so results are unchanged;
+        one cast per weight is kept alive instead of one per micro-batch in flight. Not with
+        CUDA graphs (captured without the cache) or weight versions (each micro-batch reads
+        weights of its own)."""
         hold = any(s.autocast_dtype is not None for s in self.stages.values()) and all(
             s.graphs is None and s.versions is None for s in self.stages.values()
         )
@@ -253,10 +224,9 @@ class Executor:
                     self._post(*send)
                 if position == self._losses_at and self.losses_done:
                     self.losses_done()
-            if self.schedule.asynchronous and self.training:
-                self._carry_sends()
-            else:
-                self._finish_sends()
+            feeds = any(a.kind is Kind.FORWARD for a in self.actions)
+            self._sends = self.handler.settle(self.carry, self._sends, feeds)
+            self._finish_sends()
         except PeerError as error:
             if isinstance(error, CommunicationTimeout):  # where each rank waits tells a hang
                 self._show_place(error)
@@ -300,12 +270,9 @@ class Executor:
 
     def _metas(self, action: Action) -> tuple[TensorMeta, ...] | None:
         """Shapes of what ``action`` receives, or None while they are still unknown."""
-        if action.kind is Kind.RECV_GRAD and self.schedule.asynchronous:
+        if action.kind is Kind.RECV_GRAD:  # its forward's shapes (in this call, or earlier)
             known = self.carry.in_flight.get((action.stage, self.base + action.microbatch))
             return None if known is None else known.grad_metas
-        if action.kind is Kind.RECV_GRAD:
-            out = self._out_meta.get(action.stage)
-            return None if out is None else out.grad_metas
         meta = self._in_meta.get(action.stage)
         if action.microbatch == 0 or meta is None:
             return HEADER_META if action.microbatch == 0 else None
@@ -341,22 +308,23 @@ class Executor:
     def _announces(self, action: Action, count: int) -> bool:
         """Whether ``action`` (a send or receive of ``count`` gradients) sends or waits for
         the header saying which are there (see the module docstring): on a synchronous
-        schedule, between ranks, the sender's first backward and the receiver's first
-        gradient receive."""
+        list whose messages stay within its call (the step handler's ``announces_presence``),
+        between ranks, the sender's first backward and the receiver's first gradient
+        receive."""
         if action.kind is Kind.SEND_GRAD:
             first = action.microbatch == self._first_backward.get(action.stage)
         else:
             first = action == self._first_recv_grad.get(action.stage)
         return (
-            first and count > 0 and not self.schedule.asynchronous
+            first and count > 0 and self.handler.announces_presence
             and not self.schedule.local(action.stage, _peer(action))
         )
 
     def _tag(self, action: Action, header: bool = False) -> int:
-        if self.schedule.asynchronous:  # tag by global number: a message may cross calls
-            number = (self.base + action.microbatch) % self._cycle
-            action = Action(action.kind, action.stage, number)
-        return tag(action, self.tags, header)
+        """Tagged by global micro-batch number (``base + i``), in the step handler's cycle:
+        an asynchronous list's message may cross calls (a synchronous list's base is 0)."""
+        number = (self.base + action.microbatch) % self._cycle
+        return tag(Action(action.kind, action.stage, number), self.tags, header)
 
     def _wait(self, action: Action, handle: Handle) -> list[torch.Tensor]:
         try:
@@ -435,7 +403,7 @@ class Executor:
                 raise ValueError("the last stage needs the target: pass y to train_step")
             target = self._targets[i]
         key = self.base + i
-        cut = self._early.get(action.stage) == i
+        cut = self.training and self._early.get(action.stage) == i
         output = stage.forward(key, inputs, value, target, self.training, cut)
         if stage.is_last:
             if not self.training:
@@ -462,7 +430,7 @@ class Executor:
                 "same shapes and dtypes at a stage boundary (shapes may change between "
                 "mini-batches)"
             )
-        if self.schedule.asynchronous and self.training:
+        if self.training:  # for the receive of its gradient
             self.carry.in_flight[action.stage, key] = meta
         outgoing.append((send, [t.detach() for t in tensors], False))
         return outgoing
@@ -472,7 +440,7 @@ class Executor:
         grads: list[torch.Tensor | None] = []
         if not stage.is_last:
             grads = list(self._received.pop(Action(Kind.RECV_GRAD, action.stage, i)))
-            if grads and not self.schedule.asynchronous:
+            if grads and self.handler.announces_presence:
                 present = self._present.get(action.stage)
                 if present is None:
                     raise PipelineError(
@@ -482,8 +450,6 @@ class Executor:
                 grads = [g if there else None for g, there in zip(grads, present, strict=True)]
         input_grads = stage.backward(self.base + i, grads, self.loss_scale)
         self.carry.in_flight.pop((action.stage, self.base + i), None)
-        if not self.schedule.splits_backward and stage.weights_pending(self.base + i):
-            self._owed[action.stage, i] = self.base + i  # input gradients first: _do_send
         if stage.is_first:
             return []
         return self._gradients_out(Action(Kind.SEND_GRAD, action.stage, i), input_grads)
@@ -496,14 +462,14 @@ class Executor:
         rank learns that directly."""
         present = tuple(g is not None for g in grads)
         tensors = [g for g in grads if g is not None]
-        if not all(present):  # (never on asynchronous schedules: their stages send zeros)
+        if not all(present):  # (never across calls: versioned stages send zeros)
             metas = self._in_meta[send.stage].grad_metas
             device = self.transport.device
             tensors = [
                 g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
                 for g, m in zip(grads, metas, strict=True)
             ]
-        if self.schedule.asynchronous:
+        if not self.handler.announces_presence:
             return [(send, tensors, False)]
         first = self._sent_present.setdefault(send.stage, present)
         if present != first:
@@ -526,20 +492,29 @@ class Executor:
         return [(send, [mask], True), (send, tensors, False)]
 
     def _do_weight(self, action: Action) -> None:
-        self.stages[action.stage].backward_weights(self.base + action.microbatch)
+        """W: a split backward's weight gradients; an early W whose forward could not be cut
+        (its layers hold weights inside them) found them in its B already."""
+        stage, key = self.stages[action.stage], self.base + action.microbatch
+        if stage.weights_pending(key):
+            stage.backward_weights(key)
+
+    def _do_reduce(self, action: Action) -> None:
+        """REDUCE: this list's sends done, the stage's gradients summed across its replicas
+        and tie groups (the step handler's)."""
+        self._finish_sends()
+        self.handler.reduce(self.stages[action.stage])
+
+    def _do_agree(self, action: Action) -> None:
+        """AGREE: every rank's agreement on the step (the step handler's; it may wait for the
+        other ranks of this process, while they run)."""
+        self.handler.agree(
+            list(self.stages), lambda: self._check_peers(action), self.timeout, self._where()
+        )
 
     def _do_step(self, action: Action) -> None:
-        """An asynchronous stage steps here; a synchronous one gets its gradients ready, and
-        pipetrain/runtime/update.py steps it after the list (whether to step depends on every
-        stage)."""
-        if self.schedule.asynchronous:  # the update touches weights only, never a sent tensor
-            self.stages[action.stage].step()
-            return
-        self._finish_sends()
-        stage = self.stages[action.stage]
-        for sync in stage.syncs:
-            sync.finish()
-        stage.check_backpropagated()
+        """STEP: the stage's optimizer update (the step handler's), which touches weights
+        only, never a sent tensor."""
+        self.handler.update(self.stages[action.stage])
 
     # -- sends ------------------------------------------------------------------------------
 
@@ -562,34 +537,7 @@ class Executor:
 
     def _do_send(self, action: Action) -> None:
         """Already posted when the compute that made its tensors ended (see the module
-        docstring). A backward that sent its input gradients first (:meth:`_early_gradients`)
-        computes its weight gradients here, while the gradients are in flight: its B span ends
-        when they leave, as a dependency-ordered trace has it, and this span holds the W."""
-        if action.kind is Kind.SEND_GRAD:
-            self._pay_weights(action.stage, action.microbatch)
-
-    def _pay_weights(self, stage: int, microbatch: int) -> None:
-        """The weight gradients a split backward of ``stage`` still owes, if any."""
-        key = self._owed.pop((stage, microbatch), None)
-        if key is None:
-            return
-        start = time.perf_counter()
-        self.stages[stage].backward_weights(key)
-        self.compute_time += time.perf_counter() - start
-
-    def _carry_sends(self) -> None:
-        """Asynchronous lists: a send may be received in the peer's NEXT call (a backward of
-        this call's last micro-batches), so this call waits only for the sends of the previous
-        one, which the peer has received by now, and carries its own. A flush (no forwards)
-        waits for everything: its peer receives all of it in the flush."""
-        previous, self.carry.sends = self.carry.sends, []
-        mine, self._sends = self._sends, previous
-        self._finish_sends()
-        if any(a.kind is Kind.FORWARD for a in self.actions):
-            self.carry.sends = mine
-        else:
-            self._sends = mine
-            self._finish_sends()
+        docstring)."""
 
     def _finish_sends(self) -> None:
         for action, handle in self._sends:
@@ -602,6 +550,8 @@ HANDLERS: dict[Kind, Handler] = {
     Kind.FORWARD: Executor._do_forward,
     Kind.BACKWARD: Executor._do_backward,
     Kind.WEIGHT: Executor._do_weight,
+    Kind.REDUCE: Executor._do_reduce,
+    Kind.AGREE: Executor._do_agree,
     Kind.STEP: Executor._do_step,
     Kind.RECV_ACT: Executor._do_recv_act,
     Kind.RECV_GRAD: Executor._do_recv_grad,

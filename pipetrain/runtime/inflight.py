@@ -1,18 +1,24 @@
 """An asynchronous pipeline between train_step calls: the calls since the last flush, the
 micro-batches fed so far, each call's action list, and the mini-batch's loss on its way from
 the last stage to every rank. A synchronous pipeline keeps none of it in flight (its counters
-stay 0)."""
+stay 0).
+
+:class:`InFlight` is also the step handler of the asynchronous lists (pipetrain/runtime/
+handler.py): their micro-batches outlive a call, so messages are numbered by global micro-batch
+(``cycle``), a call waits only for the previous call's sends and carries its own (``settle``),
+every gradient is sent (zeros where none flows), and each STEP updates its stage at once."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
-from pipetrain.errors import PeerError
+from pipetrain.errors import PeerError, PipelineError
 from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.handler import Carry, Pending
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.world import SentLoss, World
@@ -20,7 +26,10 @@ from schedules import Schedule, drain, for_call
 
 
 class InFlight:
-    """What an asynchronous ``schedule`` keeps across the calls of this process's ``stages``."""
+    """What an asynchronous ``schedule`` keeps across the calls of this process's ``stages``,
+    and the step handler of its lists (module docstring)."""
+
+    announces_presence = False  # a gradient may arrive in a later call: zeros stand in
 
     def __init__(self, schedule: Schedule, chunks: int, world: World, stages: Sequence[Stage]):
         self.schedule, self.chunks, self.world = schedule, chunks, world
@@ -54,7 +63,7 @@ class InFlight:
         self._loss = None
         for stage in self.stages:
             stage.losses.clear()
-        executors = runner.run(self.call_list(), x, y, True, self.fed, self.report_loss)
+        executors = runner.run(self.call_list(), x, y, self, self.fed, self.report_loss)
         self.calls += 1
         self.fed += self.chunks
         if self._loss is None:  # ranks without the last stage
@@ -79,6 +88,37 @@ class InFlight:
         else:
             loss = torch.zeros((), dtype=torch.float64, device=self.last.device)
         self._loss = self.world.share_loss(loss)
+
+    def cycle(self, schedule: Schedule) -> int:
+        """Global micro-batch numbers modulo this: more than a message can be in flight."""
+        return schedule.microbatches + schedule.stages
+
+    def settle(self, carry: Carry, sends: list[Pending], feeds: bool) -> list[Pending]:
+        """A send may be received in the peer's NEXT call (a backward of this call's last
+        micro-batches), so a call waits only for the sends of the previous one, which the peer
+        has received by now, and carries its own. A flush (no forwards) waits for everything:
+        its peer receives all of it in the flush."""
+        previous, carry.sends = carry.sends, []
+        if feeds:
+            carry.sends = sends
+            return previous
+        return previous + sends
+
+    def loss_scale(self) -> float:
+        return 1.0  # no fp16 loss scale under asynchronous schedules (refused at build)
+
+    def reduce(self, stage: Stage) -> None:
+        raise PipelineError(f"stage {stage.index}: an asynchronous list has no REDUCE")
+
+    def agree(
+        self, stages: Collection[int], check: Callable[[], None], timeout: float, where: str
+    ) -> None:
+        raise PipelineError(f"{where}: an asynchronous list has no AGREE")
+
+    def update(self, stage: Stage) -> None:
+        """STEP: the stage's update, at once (its micro-batches in flight read their own
+        weight versions)."""
+        stage.step()
 
     def drain(self) -> Schedule:
         """The list that runs every in-flight micro-batch's backward."""

@@ -9,6 +9,7 @@ share: the options (config.py), the schedule, the stages and the steps.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,7 @@ class Pipeline:
             self._update = Update(
                 self.stages, config.clip_grad_norm, self.scaler,
                 {id(p): stages[0] for p, stages in ties}, world.sum_over_ranks,
-                world.placement.replicas, count=self.schedule.stages, nonfinite=config.nonfinite,
+                world.placement.replicas, nonfinite=config.nonfinite,
             )
         self._inflight = InFlight(self.schedule, self.chunks, world, self.stages)
         recorders: list[Recorder | None] = (
@@ -315,10 +316,14 @@ class Pipeline:
             warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
             self._unchecked_microbatch = None  # once: the first step's
         lr = learning_rate(self.stages)  # the rate this step trains with
-        if self._update is not None:  # synchronous: the step's agreement carries the loss
-            value, stepped, step_time, executors = self._update.train(
-                self._runner, self.schedule, x, y, self.step + 1
+        if self._update is not None:  # synchronous: the list ends with the step's actions
+            self._update.begin(self.step + 1)
+            start = time.perf_counter()  # zeroing the gradients is no part of the step
+            executors = self._runner.run(
+                self._update.call_list(self.schedule), x, y, self._update
             )
+            value, stepped = self._update.result()  # the loss came with the agreement
+            step_time = time.perf_counter() - start
         else:
             value, stepped, step_time, executors = self._inflight.train(
                 self._runner, x, y, self.step + 1
@@ -348,7 +353,7 @@ class Pipeline:
         """
         if not self.in_flight:
             return
-        self._runner.run(self._inflight.drain(), None, None, True, self._inflight.fed)
+        self._runner.run(self._inflight.drain(), None, None, self._inflight, self._inflight.fed)
         self._inflight.flushed()
 
     def save(self, folder: str | os.PathLike[str]) -> Path:
@@ -418,7 +423,7 @@ class Pipeline:
         for stage in self.stages:
             stage.module.eval()
         try:
-            self._runner.run(self._evaluation, x, None, training=False)
+            self._runner.run(self._evaluation, x, None, None)
         finally:
             for stage, mode in zip(self.stages, modes, strict=True):
                 stage.module.train(mode)

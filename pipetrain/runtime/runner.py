@@ -14,7 +14,8 @@ from pipetrain.errors import PipelineError
 from pipetrain.observe.progress import logger
 from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import microbatch
-from pipetrain.runtime.executor import Carry, Executor
+from pipetrain.runtime.executor import Executor
+from pipetrain.runtime.handler import Call, Carry, StepHandler, WithinCall
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.world import World
 from schedules import Schedule
@@ -41,16 +42,19 @@ class Runner:
         return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)  # type: ignore[arg-type]
 
     def run(
-        self, schedule: Schedule, x: object, y: object, training: bool, base: int = 0,
-        losses_done: Callable[[], None] | None = None, loss_scale: float | torch.Tensor = 1.0,
+        self, schedule: Schedule, x: object, y: object, handler: StepHandler | None,
+        base: int = 0, losses_done: Callable[[], None] | None = None,
     ) -> list[Executor]:
-        """Run ``schedule`` (see Executor for ``base``, ``losses_done`` and ``loss_scale``);
-        the last rank's outputs land in ``outputs``. Returns the executors that ran."""
+        """Run ``schedule``: training with ``handler`` as the step handler of its lists
+        (pipetrain/runtime/handler.py; see Executor for ``base`` and ``losses_done``), or, with
+        None, evaluating; the last rank's outputs land in ``outputs``. Returns the executors
+        that ran."""
         if self.failed:
             raise PipelineError(
                 f"this pipeline stopped after a failure ({self.failed}); build a new one "
                 "(and reload a checkpoint) to go on"
             )
+        training = handler is not None
         first, last = self.stages[0], self.stages[-1]
         inputs = self._split(x, "x", first.device) if first.is_first else None
         targets = self._split(y, "y", last.device) if last.is_last else None
@@ -58,8 +62,8 @@ class Runner:
         executors = [
             Executor(
                 [by_index[s] for s in schedule.stages_on(rank)], transport, schedule, rank,
-                self.timeout, training, recorder if training else None, base=base, carry=carry,
-                losses_done=losses_done, loss_scale=loss_scale,
+                self.timeout, recorder if training else None, losses_done,
+                Call(handler if handler is not None else WithinCall(), carry, base, training),
             )
             for rank, transport, recorder, carry in zip(
                 self.world.placement.ranks, self.world.transports, self.recorders, self._carry,

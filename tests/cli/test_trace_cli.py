@@ -10,6 +10,7 @@ import pytest
 from pipetrain.observe.gantt import STEP_COLOUR, legend
 from pipetrain.tools.cli import main
 from schedules import Kind
+from schedules.action import TIMED
 from tests.runtime.models import batches, mlp
 from tests.runtime.test_local import pipeline
 
@@ -38,9 +39,11 @@ def test_trace_names_the_step_it_drew(traced, capsys) -> None:
 
 
 def test_every_kind_of_bar_has_a_legend_entry(traced) -> None:
-    kinds = {Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP}
+    kinds = set(TIMED)
     labels = {label: (colour, hatch) for label, colour, hatch in legend(kinds)}
+    assert len(labels) == len(kinds)
     assert labels["optimizer step"] == (STEP_COLOUR, None)
+    assert {"gradient reduction (REDUCE)", "step agreement (AGREE)"} <= set(labels)
     assert labels["weight gradient (W)"][1] == "//"
     assert {"forward (dark shade)", "backward (light shade)"} <= set(labels)
     assert [label for label, _, _ in legend({Kind.FORWARD, Kind.STEP})] == [

@@ -1,7 +1,7 @@
 """The last backward of each stage but the first sends its input gradients before it computes
-its weight gradients (pipetrain/runtime/executor.py: B posts them, the weight pass runs in the
-slot of the send action that follows), so that the previous stage's last backward, which the
-pipeline's drain waits for, starts a weight pass earlier.
+its weight gradients (pipetrain/runtime/update.py's Update.call_list: the runtime's
+list has a W after that B's SEND_GRAD, schedules/early.py), so that the previous stage's last
+backward, which the pipeline's drain waits for, starts a weight pass earlier.
 
 What is checked: the order on the sending stage (the gradient is posted before any weight
 gradient of that micro-batch is computed), that only the last backward of each such stage is
@@ -25,7 +25,8 @@ from examples.models import lm_loss
 from pipetrain.observe.trace import load_folder
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.stage import Stage
-from schedules import Action, Kind
+from pipetrain.runtime.update import Update
+from schedules import Action, Kind, with_early_weights
 from tests.runtime.models import batches, mlp, sgd, text_batches, tiny_gpt
 from tests.runtime.test_distributed import assert_trains_like_one_process
 
@@ -87,9 +88,10 @@ def test_the_last_backward_sends_before_its_weight_gradients(monkeypatch, schedu
     assert log.of(0) == [], "the first stage sends nothing and keeps its backward whole"
 
 
-def test_the_trace_lists_the_schedule_unchanged(tmp_path):
-    """No action is added for the weight pass: a trace lists exactly the schedule's actions,
-    and the previous stage's last backward starts only after this one's B span has ended."""
+def test_the_trace_shows_the_early_weight_pass_and_the_step(tmp_path):
+    """The trace lists the schedule's actions with the early W of stage 1 after its last
+    SEND_GRAD, and the step's REDUCE, AGREE and STEP; the previous stage's last backward
+    starts only after this one's B span has ended, and the W runs after it."""
     pipe = pipetrain.Pipeline(
         mlp(), [6, 6], chunks=CHUNKS, devices=["cpu", "cpu"], loss_fn=nn.functional.cross_entropy,
         optimizer=sgd, trace=tmp_path,
@@ -99,13 +101,20 @@ def test_the_trace_lists_the_schedule_unchanged(tmp_path):
     pipe.save_trace()
     traces = load_folder(tmp_path)
     assert len(traces) == 2
-    for trace in traces:
-        assert [s.action for s in trace.steps[-1]] == list(pipe.schedule.actions[trace.stage])
-    span = {s.action: s for t in traces for s in t.steps[-1]}
     last = CHUNKS - 1
+    listed = with_early_weights(pipe.schedule, [1])
+    for trace in traces:
+        ran = [s.action for s in trace.steps[-1]]
+        assert ran == list(listed.actions[trace.stage])
+        s = trace.stage
+        assert ran[-3:] == [Action(Kind.REDUCE, s), Action(Kind.AGREE, s), Action(Kind.STEP, s)]
+    assert traces[0].schedule == listed  # the loaded trace knows the early W
+    ops = list(listed.actions[1])
+    assert ops[ops.index(Action(Kind.SEND_GRAD, 1, last)) + 1] == Action(Kind.WEIGHT, 1, last)
+    span = {s.action: s for t in traces for s in t.steps[-1]}
     sent = span[Action(Kind.BACKWARD, 1, last)].end
     assert span[Action(Kind.BACKWARD, 0, last)].start >= sent  # the gradient came from B
-    assert span[Action(Kind.SEND_GRAD, 1, last)].end > sent  # the weight pass ran after it
+    assert span[Action(Kind.WEIGHT, 1, last)].start >= sent  # the weight pass ran after it
 
 
 @pytest.mark.parametrize(
@@ -136,7 +145,7 @@ def test_mixed_precision_and_clipping_give_what_the_whole_backward_gives(monkeyp
     (test_training_options.py: bf16 to its rounding, fp16 with a clip within 1e-5)."""
     options = dict(precision=precision, clip_grad_norm=0.5)
     with monkeypatch.context() as off:
-        off.setattr(Executor, "_early_gradients", lambda self: {})
+        off.setattr(Update, "call_list", lambda self, schedule: schedule)
         whole = _train(mlp(), [6, 6], batches(STEPS), **options)
     log = Log(monkeypatch)
     split = _train(mlp(), [6, 6], batches(STEPS), **options)

@@ -47,7 +47,8 @@ def test_every_action_kind_has_its_executor_method():
 
 def test_stage_step_steps_whatever_the_options():
     """Stage.step() is the optimizer step even in a pipeline that clips (or runs fp16): the
-    Update calls it after the list, it is never switched off by a flag on the stage."""
+    STEP action calls it through the Update as AGREE decided, it is never switched off by a
+    flag on the stage."""
     import pipetrain
 
     pipe = pipetrain.Pipeline(
@@ -61,3 +62,33 @@ def test_stage_step_steps_whatever_the_options():
     before = [p.detach().clone() for p in params]
     stage.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
+
+
+def test_without_a_call_the_list_trains_its_stage_alone_and_ends_with_the_step():
+    """Executor(...) with no Call steps its one stage as a pipeline of one rank would, and its
+    trace ends with the step's actions."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    stage = Stage(mlp(), 0, 1, 0, cpu, sgd, nn.functional.cross_entropy)
+    schedule = build("gpipe", 1, 2)
+    recorder = Recorder(0, 0, schedule)
+    before = [p.detach().clone() for p in stage.module.parameters()]
+    executor = Executor([stage], LocalHub([cpu]).endpoint(0), schedule, 0, timeout=10,
+                        recorder=recorder)
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    executor.run(microbatch.scatter(x, 2, "x"), microbatch.scatter(y, 2, "y"))
+    kinds = [s.action.kind for s in recorder.steps[-1]]
+    assert kinds[-3:] == [Kind.REDUCE, Kind.AGREE, Kind.STEP]
+    after = list(stage.module.parameters())
+    assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+def test_the_executor_never_asks_which_kind_of_schedule_it_runs():
+    """The step handler holds what differs (pipetrain/runtime/handler.py), and the executor
+    takes at most 8 arguments."""
+    import inspect
+
+    from pipetrain.runtime import executor
+
+    assert "schedule.asynchronous" not in inspect.getsource(executor)
+    assert len(inspect.signature(Executor.__init__).parameters) - 1 <= 8

@@ -18,8 +18,9 @@ from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_errors import FailOn
 
 # 1F1B, 2 stages, 4 micro-batches: FailOn(call=3) fails stage 1's forward of micro-batch 2,
-# its 10th action of 17.
-MARKED = r"rank 1 \(stage 1\) of schedule '1f1b', 2 stages, 4 micro-batches: actions 6-14 of 17"
+# its 10th action of 20 (17 of the schedule's computes and messages, the early W of its last
+# backward, REDUCE and AGREE).
+MARKED = r"rank 1 \(stage 1\) of schedule '1f1b', 2 stages, 4 micro-batches: actions 6-14 of 20"
 
 
 def failing_model() -> nn.Sequential:
@@ -46,9 +47,11 @@ def test_the_note_marks_the_failing_action_among_its_neighbours(caplog):
 def test_the_excerpt_stops_at_the_ends_of_the_list():
     schedule = build("gpipe", 2, 2)
     first = excerpt(schedule, 0, 0).splitlines()
-    assert first[0].endswith("actions 1-5 of 9") and first[1] == "  -> 1  0:F0  <- failed here"
-    last = excerpt(schedule, 0, 8).splitlines()
-    assert last[0].endswith("actions 5-9 of 9") and last[-1] == "  -> 9  0:STEP  <- failed here"
+    # 2 forwards, 2 sends, 2 receives, 2 backwards, REDUCE, AGREE, STEP
+    assert first[0].endswith("actions 1-5 of 11") and first[1] == "  -> 1  0:F0  <- failed here"
+    last = excerpt(schedule, 0, 10).splitlines()
+    assert last[0].endswith("actions 7-11 of 11") and last[-1] == "  -> 11  0:STEP  <- failed here"
+    assert last[-3:-1] == ["      9  0:REDUCE", "     10  0:AGREE"]
 
 
 def _fail(rank: int, world: int) -> None:

@@ -17,6 +17,7 @@ same optimizer.
 from __future__ import annotations
 
 import collections
+import threading
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipetrain
 from examples.models import gpt, lm_loss
+from pipetrain.runtime.executor import Executor
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import text_batches, tiny_gpt
 
@@ -201,10 +203,35 @@ def test_aten_operations_per_step_do_not_exceed_torch_pipelining():
     assert not over
 
 
-def test_no_per_parameter_operations_in_the_step():
+def _threaded_step_ops(step, monkeypatch) -> collections.Counter[str]:
+    """:func:`_one_step_ops` of a pipeline whose ranks are threads: the step's actions run in
+    the executors' threads, each counted by a mode of its own (a dispatch mode is per thread)."""
+    counts: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    run = Executor.run
+
+    def counted(self, inputs, targets):
+        with CountOps() as counter:
+            try:
+                return run(self, inputs, targets)
+            finally:
+                with lock:
+                    counts.update(counter.ops)
+
+    for _ in range(2):  # warm-up, as in _one_step_ops
+        step()
+    with monkeypatch.context() as patch:
+        patch.setattr(Executor, "run", counted)
+        with CountOps() as main:
+            step()
+    return counts + main.ops
+
+
+def test_no_per_parameter_operations_in_the_step(monkeypatch):
     """The step's own work (norm, agreement, clip) is a few foreach operations, whatever the
     number of parameters: two models of 8 and 16 Linear layers differ by their layers' work
-    alone (forward, backward, optimizer), never by per-parameter norms or casts."""
+    alone (forward, backward, optimizer), never by per-parameter norms or casts. The step's
+    actions run in the ranks' threads, where they are counted."""
 
     def norm_ops(blocks: int) -> int:
         layers: list[nn.Module] = []
@@ -215,7 +242,7 @@ def test_no_per_parameter_operations_in_the_step():
             loss_fn=nn.functional.mse_loss, optimizer=fused_sgd, clip_grad_norm=1.0,
         )
         x = torch.randn(4, 8)
-        ops = _one_step_ops(lambda: pipe.train_step(x, x))
+        ops = _threaded_step_ops(lambda: pipe.train_step(x, x), monkeypatch)
         return sum(n for op, n in ops.items() if "norm" in op)
 
     assert norm_ops(4) == norm_ops(8) == 2  # one _foreach_norm per stage, nothing per weight

@@ -25,7 +25,8 @@ from pipetrain.observe.trace import (
     simulated_twin,
     step_spans,
 )
-from schedules import Action, Kind, Span, build, simulate
+from schedules import Action, Kind, Span, build, simulate, with_early_weights
+from schedules.action import COMPUTE, STEP_KINDS
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
 from tests.runtime.test_local import pipeline
@@ -51,7 +52,7 @@ def check_dependency_order(folder) -> None:
         end, start = {}, {}
         for t in traces:
             spans = t.steps[step]
-            computes = [s.action for s in spans if s.action.kind in (Kind.FORWARD, Kind.BACKWARD)]
+            computes = [s.action for s in spans if s.action.kind in COMPUTE]  # early Ws too
             assert computes == t.schedule.compute(t.stage), "ran in the schedule's order"
             for s in spans:
                 start[s.action], end[s.action] = s.start, s.end
@@ -164,6 +165,25 @@ def test_the_twin_of_a_simulated_step_is_that_step():
         assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
 
 
+def test_the_twin_of_a_step_with_early_weight_passes_is_that_step():
+    # the early W and its input-only B keep their own times; the stages' other backwards are
+    # whole (backward + weight), and the twin does not add the W's time to them
+    schedule = with_early_weights(build("1f1b", 4, 4), [1, 2, 3])
+    step = simulate(
+        schedule, [1.0, 1.5, 0.5, 1.0], [2.0, 2.5, 1.5, 2.0], transfer=0.25, weight=0.75,
+        cores={(0, 2): 1, (1, 3): 1}, start=[0.3, 0.0, 0.1, 0.2],
+    ).timeline
+    traces = [
+        RankTrace(r, r, schedule, [[s for s in step if s.lane == r]], 0.0, "host", 1, 1, (r % 2,))
+        for r in range(4)
+    ]
+    assert {s.action.kind for s in step} >= {Kind.WEIGHT, Kind.REDUCE, Kind.AGREE}
+    twin = {s.action: (s.start, s.end) for s in simulated_twin(traces, 0)}
+    assert len(twin) == len(step)
+    for s in step:
+        assert twin[s.action] == pytest.approx((s.start, s.end), abs=1e-9), s.action
+
+
 def _shared_core_step(durations: dict) -> list[RankTrace]:
     """Rank traces of a simulated 4-rank 1F1B step on two shared cores (as the twin test)."""
     schedule = build("1f1b", 4, 4)
@@ -200,7 +220,7 @@ def test_drawn_costs_come_from_the_stages_own_measured_times():
         for a, t in drawn_costs(spans, work, rng).items():
             seen.setdefault((a.kind, a.stage), set()).add(round(t, 9))
     for (kind, stage), drawn in seen.items():
-        if kind is Kind.STEP:
+        if kind in STEP_KINDS:  # REDUCE, AGREE, STEP: not given times here
             continue
         own = {round(t, 9) for a, t in times.items() if (a.kind, a.stage) == (kind, stage)}
         assert drawn == own, (kind, stage)

@@ -13,7 +13,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
-from schedules.action import Action, Kind, Schedule
+from schedules.action import STEP_KINDS, Action, Kind, Schedule
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
 SA, RA, SG, RG = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD
@@ -61,11 +61,18 @@ def local_constraints(ops: Sequence[Action]) -> set[tuple[Action, Action]]:
             other = Action(kind, where, i)
             if other in present:
                 pairs.add((a, other))
-        if a.kind is not STEP:
-            pairs.update((a, x) for x in present if x.kind is STEP)
-        else:  # a rank's STEPs come in ascending stage order
-            pairs.update((a, x) for x in present if x.kind is STEP and x.stage > s)
+        if a.kind not in STEP_KINDS:
+            pairs.update((a, x) for x in present if x.kind in STEP_KINDS)
+        else:  # a rank's step: its REDUCEs, its AGREE, its STEPs, each in ascending stage order
+            pairs.update((a, x) for x in present if x.kind in STEP_KINDS and _tail(x) > _tail(a))
     return pairs
+
+
+_TAIL = {Kind.REDUCE: 0, Kind.AGREE: 1, STEP: 2}
+
+
+def _tail(a: Action) -> tuple[int, int]:
+    return _TAIL[a.kind], a.stage
 
 
 def random_linear_extension(ops: Sequence[Action], rng: random.Random) -> list[Action]:
