@@ -175,9 +175,6 @@ def test_import_pipetrain_and_pipetrain_hf_leave_transformers_unloaded():
 
 
 MOST_PARAMETERS = 8  # of a runtime constructor, beside self
-# executor.py's Executor takes 11 for now: the step-actions branch (issue 39, Deliver 2)
-# rewrites it; the lead removes this entry at merge
-LONGER_FOR_NOW = {"pipetrain.runtime.executor.Executor"}
 
 
 def _parameters(init: FunctionType) -> int:
@@ -205,7 +202,7 @@ def test_no_runtime_constructor_takes_more_than_eight_parameters():
                 continue
             name = f"{module.__name__}.{cls.__qualname__}"
             counted[name] = _parameters(init)
-            if counted[name] > MOST_PARAMETERS and name not in LONGER_FOR_NOW:
+            if counted[name] > MOST_PARAMETERS:
                 over.append(f"{name}: {counted[name]}")
     assert counted["pipetrain.runtime.pipeline.Pipeline"] == 3  # model, balance, **options
     assert counted["pipetrain.runtime.stage.Stage"] == 8

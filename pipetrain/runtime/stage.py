@@ -358,10 +358,11 @@ class Stage:
 
     def step(self) -> None:
         """The optimizer step (through the delay compensation, if any), then the learning-rate
-        schedule's; always steps. A synchronous stage is stepped after its whole list, by
-        pipetrain/runtime/update.py (which decides whether the step is skipped); an asynchronous one
-        by its list's step action, which then clears the gradients and starts its next weight
-        version (micro-batches stay in flight)."""
+        schedule's; always steps. Its list's STEP action calls it: on a synchronous stage
+        after the rank's AGREE decided the step is taken (pipetrain/runtime/update.py: skipped
+        steps never get here, or the optimizer skips them on the device); on an asynchronous
+        one it then clears the gradients and starts its next weight version (micro-batches
+        stay in flight)."""
         versions = self.versions
         if versions is None:
             self.check_backpropagated()
