@@ -270,11 +270,7 @@ class Stage:
         cuts = self._split.cuts(cut) if policy.may_cut(microbatch) else None
         run = source.run(microbatch, target, cuts)
         # a forward that runs again (recomputed) must find its input as it was
-        again = policy.recomputes(microbatch) or source.recomputes
-
-        def work(value: object) -> object:
-            return run(self._slice.enter(value, again))
-
+        work = self._slice.entering(run, policy.recomputes(microbatch) or source.recomputes)
         ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
         with self._slice.watching(value), ledger, gathering_statistics():
             if isinstance(source, VersionedWeights) and source.recomputes:

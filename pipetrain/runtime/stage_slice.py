@@ -101,6 +101,13 @@ class StageSlice:
         """``value`` as the first layer reads it (:func:`entered`)."""
         return entered(value, copy, self.own_versions)
 
+    def entering(
+        self, run: Callable[[object], object], copy: bool
+    ) -> Callable[[object], object]:
+        """``run`` (the slice on some weights) applied to its input as the first layer
+        reads it (:meth:`enter`): the work a forward policy runs, once or again."""
+        return lambda value: run(self.enter(value, copy))
+
     @contextmanager
     def watching(self, value: object) -> Iterator[None]:
         """Note a forward inside that modifies ``value``'s tensors in place: later inputs then
