@@ -25,7 +25,7 @@ from pipetrain.runtime.split_backward import Leaves
 from pipetrain.runtime.stage import Stage, StageOptions
 from pipetrain.runtime.stage_module import StageModule
 from pipetrain.runtime.world import World
-from pipetrain.training.batchnorm import DeferredBatchNorm
+from pipetrain.training.batchnorm import DeferredBatchNorm, assign_stages
 from pipetrain.training.lazy import is_meta
 from pipetrain.training.weights import stage_versions
 from schedules import Kind, Schedule, inflight
@@ -111,6 +111,8 @@ def assemble(
     if schedule.asynchronous and (ties or world.placement.replicas > 1):
         raise ValueError(_asynchronous_refusal(model, config.schedule, ties, world.placement))
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
+    if config.deferred_batch_norm:
+        assign_stages(dict(enumerate(layers for _, layers in parts)), here)
     group = world.replica_group()  # None: one replica, nothing to shard over
     zero = config.zero if group is not None else 0
     reason = refusal(zero, schedule, bool(config.cuda_graphs))

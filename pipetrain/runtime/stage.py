@@ -272,7 +272,9 @@ class Stage:
         # a forward that runs again (recomputed) must find its input as it was
         work = self._slice.entering(run, policy.recomputes(microbatch) or source.recomputes)
         ledger = self.ledger.recording(microbatch, inputs) if self.ledger else nullcontext()
-        with self._slice.watching(value), ledger, gathering_statistics():
+        with self._slice.watching(value), ledger, gathering_statistics(
+            self.index, self.module
+        ):
             if isinstance(source, VersionedWeights) and source.recomputes:
                 output = work(value)  # its graph is dropped: the backward recomputes
                 source.keep(microbatch, value, target, start)  # on the live weights
