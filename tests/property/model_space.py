@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from schedules.registry import RECOMPUTE_MODES, lookup, names
+from schedules.registry import RECOMPUTE_MODES, build, lookup, names
 from tests.runtime.models import Branch, Halves, Keep, Merge, SharedAffine
 
 T = TypeVar("T")
@@ -124,7 +124,8 @@ NEEDS = {
     "merge": "pair",
 }
 BODY = tuple(NEEDS)
-REUSABLE = ("linear", "conv", "residual", "layernorm")  # tokens whose module "again" may reuse
+# tokens whose module "again" may reuse
+REUSABLE = ("linear", "conv", "residual", "layernorm", "batchnorm")
 WEIGHTED = ("linear", "conv", "residual", "frozen", "half_frozen", "branch", "keep", "halves",
             "layernorm", "batchnorm", "affine", "embedding", "head")
 VIEWS = ("flatten", "reshape", "slice", "transpose")  # what makes the next layer see a view
@@ -284,6 +285,8 @@ def draw_model(choose: Chooser, most: int = 8, leave_out: frozenset[str] = froze
         options += [t for t in options if t in LIKELIER]
         if tokens and tokens[-1] in VIEWS and "relu_" in options and choose.integer(0, 2) == 2:
             options = ["relu_"]  # an in-place op on a view: one time in three after a view
+        elif tokens and tokens[-1] == "flatten" and "reshape" in options and choose.integer(0, 1):
+            options = ["reshape"]  # a view of a view, half the time: else rare (flat data only)
         elif again and choose.integer(0, 3) == 3:
             options = again  # a module used before: one time in four where one fits
         token = choose.choice(options)
@@ -451,6 +454,19 @@ def train_reference(case: Case) -> dict[str, Any]:
     return {"state": model.state_dict(), "losses": losses}
 
 
+def norm_across_ranks(case: Case) -> bool:
+    """Whether one BatchNorm runs on stages of two ranks: deferred_batch_norm refuses that
+    (tests/runtime/test_batchnorm_reuse.py checks the refusal)."""
+    ranks = case.ranks if lookup(case.schedule).multi_stage_per_rank else None
+    schedule = build(case.schedule, len(case.balance), case.chunks, ranks=ranks)
+    rank_of = {i: schedule.rank_of(s) for s, positions in enumerate(case.stages())
+               for i in positions}
+    model = build_model(case.model)
+    return any(model[i] is model[j] and isinstance(model[i], nn.BatchNorm1d)
+               and rank_of[i] != rank_of[j]
+               for i in range(len(model)) for j in range(i + 1, len(model)))
+
+
 def is_statistic(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
 
@@ -513,6 +529,8 @@ def features(case: Case) -> set[str]:
             where = "one stage" if stage_of[i] == stage_of[j] else "two stages"
             if model[i] is model[j]:
                 found.add(f"module used twice in {where}")
+                if isinstance(model[i], nn.BatchNorm1d):
+                    found.add(f"BatchNorm used twice in {where}")
             elif any(p is q for p in model[i].parameters() for q in model[j].parameters()):
                 found.add(f"Parameter shared in {where}")
                 if tokens[j] == "head":
