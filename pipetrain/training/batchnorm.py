@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,9 +68,23 @@ def gathering_statistics(stage: int = 0, module: nn.Module | None = None) -> Ite
         _forward.reset(token)
         norms = dict(forward.called)
         if module is not None:
-            norms.update((id(m), m) for m in module.modules() if isinstance(m, DeferredBatchNorm))
+            norms.update((id(m), m) for m in _norms_in(module))
         for norm in norms.values():
             norm.forward_ended(stage)
+
+
+_found: weakref.WeakKeyDictionary[nn.Module, list[DeferredBatchNorm]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _norms_in(module: nn.Module) -> list[DeferredBatchNorm]:
+    """The DeferredBatchNorms in ``module``, found once (a stage's layers stay as built)."""
+    found = _found.get(module)
+    if found is None:
+        found = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        _found[module] = found
+    return found
 
 
 @dataclass
@@ -140,8 +155,8 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _commit(self) -> None:
         """Each slot's statistics into the running ones, in (stage, call) order, as plain
         BatchNorm's calls on the whole mini-batch would update them."""
-        assert self.running_mean is not None and self.running_var is not None
         for _, moments in sorted(self._slots.items(), key=lambda item: item[0]):
+            assert self.running_mean is not None and self.running_var is not None
             if self.num_batches_tracked is not None:
                 self.num_batches_tracked += 1
             if self.momentum is None:  # cumulative moving average, as plain BatchNorm does

@@ -189,3 +189,19 @@ def test_processes_match_plain_training():
             assert apart(result[key], expected) <= TOLERANCE, (rank, key)
     for result in results:
         assert "different processes" in result.get("refused", ""), "not refused"
+
+
+def test_a_norm_without_running_statistics_trains():
+    """track_running_stats=False: nothing to gather or commit, every micro-batch normalised
+    with its own statistics, in training and in evaluation alike."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(6, track_running_stats=False)
+    model = nn.Sequential(nn.Linear(5, 6), norm, nn.ReLU(), norm, nn.Linear(6, 3))
+    plain = copy.deepcopy(model)
+    pipe = pipetrain.Pipeline(model, [2, 3], devices=["cpu", "cpu"], chunks=2,
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd,
+                              deferred_batch_norm=True)
+    for x, y in data():
+        pipe.train_step(x, y)
+    expected = reference(plain, data(), 2)
+    assert apart(pipe.module.state_dict(), expected) <= TOLERANCE
