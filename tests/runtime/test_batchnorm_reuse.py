@@ -27,7 +27,7 @@ from tests.runtime.models import sgd
 TOLERANCE = 1e-6
 STEPS = 3
 CHUNKS = [1, 2, 4]
-MODES = [("gpipe", "never"), ("1f1b", "never"), ("1f1b", "always")]
+MODES = [("gpipe", "never"), ("1f1b", "never"), ("1f1b", "always"), ("zb-h1", "except_last")]
 
 
 class Twice(nn.Module):
