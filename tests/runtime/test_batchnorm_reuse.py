@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.training.batchnorm import DeferredBatchNorm
+from pipetrain.training.batchnorm import DeferredBatchNorm, gathering_statistics
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import sgd
 
@@ -205,3 +205,21 @@ def test_a_norm_without_running_statistics_trains():
         pipe.train_step(x, y)
     expected = reference(plain, data(), 2)
     assert apart(pipe.module.state_dict(), expected) <= TOLERANCE
+
+
+def test_the_module_alone_gathers_per_forward_and_call():
+    """Without a pipeline: one ``gathering_statistics()`` per micro-batch's forward, which
+    calls the norm twice; after ``chunks`` forwards the statistics are plain BatchNorm's after
+    its two calls on the whole batch."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 4) * 2 + 1
+    plain = nn.BatchNorm1d(3, momentum=0.2)
+    deferred = DeferredBatchNorm.convert(copy.deepcopy(plain), chunks=2)
+    first = plain(x)
+    plain(first * 3)
+    for part in x.chunk(2):
+        assert int(deferred.num_batches_tracked) == 0  # nothing before the last forward ends
+        with gathering_statistics():
+            deferred(deferred(part) * 3)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(deferred.state_dict()[key], value, rtol=0, atol=TOLERANCE)
