@@ -145,7 +145,9 @@ class Pipeline:
         checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
             steps (0, the default: never).
         deferred_batch_norm: make BatchNorm's running statistics those of the whole mini-batch
-            rather than of the last micro-batch (pipetrain/training/batchnorm.py).
+            rather than of the last micro-batch, also for a BatchNorm run several times per
+            forward; one used by stages of different ranks is refused
+            (pipetrain/training/batchnorm.py).
         cuda_graphs: True captures each stage's training forward and backward as CUDA graphs
             after the first step with each micro-batch shape and replays them from then on
             (pipetrain/runtime/cuda_graphs.py); what cannot be captured is refused with the reason,
