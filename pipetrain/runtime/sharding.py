@@ -176,6 +176,9 @@ class ShardedGradients:
             self._reduce()
         self._accumulate()
 
+    def rebind(self) -> None:
+        """Nothing: FSDP2 keeps its gradients itself."""
+
     def leaves(self, weights: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """What W computes the gradients of, for ``weights`` (the stage's parameters): for a
         sharded one, the gathered parameter that FSDP2 put in its place and the forward
