@@ -28,6 +28,17 @@ zero 2 and 3: each copy is whole on every replica, as at zero 0, and its gradien
 all-reduced over the tie's ranks in every replica (data_parallel.GradientSync, summed over the
 tied stages, averaged over the replicas), so the copies stay identical. Only the tied weights
 are held whole; the rest of the stage is sharded as above.
+
+A weight no backward of the step reached, on any replica, has no gradient in one process, and
+the optimizer skips it (no weight decay, no moment update). At zero 2 and 3 FSDP2 reduces every
+weight, with zeros where a replica made no gradient (``set_reduce_scatter_unused_params``:
+otherwise a weight only some replicas' batches reached would make their reduce-scatters differ
+in size, a collective mismatch); each replica records which weights it made gradients for (at
+the last backward, from the gathered weights' gradients accumulated so far; in it, by their
+post-accumulate hooks), one small all-reduce per step sums that presence over the replicas, and
+a replica that missed some reads the sums back (in such steps only) and drops the sharded
+gradients no replica made. (At zero 0 and 1 the presence rides in the gradients' own
+all-reduce: data_parallel.py.)
 """
 
 from __future__ import annotations
@@ -145,6 +156,15 @@ class ShardedGradients:
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._layers = module  # the same, as an nn.Module
         self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
+        self.group, self.device = group, device
+        self.module.set_reduce_scatter_unused_params(True)  # the same reduce-scatters
+        self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
+            weight for part in module.modules() if isinstance(part, FSDPModule)
+            for param_group in _private(_fsdp_state(part), "_fsdp_param_groups")
+            for weight in _private(param_group, "fsdp_params")
+        ]
+        self._seen: set[int] = set()  # the weights this replica made gradients for this step
+        self._hooked: set[int] = set()
         if split_backward:  # what _reduce reads, there before the first step
             for part in [module, *shards]:
                 for group in _private(_fsdp_state(part), "_fsdp_param_groups"):
@@ -164,6 +184,7 @@ class ShardedGradients:
     def arm(self) -> None:
         if self.split_backward:  # the reduce-scatter waits for the last W: finish
             return
+        self._note_gradients()
         self.module.set_requires_gradient_sync(True)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(True)
@@ -173,11 +194,43 @@ class ShardedGradients:
         backward, they run here, after the last W); back to accumulating for the next
         mini-batch."""
         if self.split_backward:
+            self._note_gradients()
             self._reduce()
         self._accumulate()
+        self._drop_absent()
+
+    def _note_gradients(self) -> None:
+        """Before the reduce-scatter: the weights whose gathered gradients the backwards so far
+        made (kept unreduced until now), and a hook noting those the last backward makes."""
+        for i, weight in enumerate(self._weights):
+            if not hasattr(weight, "_unsharded_param"):  # never gathered: no gradient
+                continue
+            gathered = weight.unsharded_param
+            if gathered.grad is not None or weight.unsharded_accumulated_grad is not None:
+                self._seen.add(i)
+            if i not in self._hooked:  # FSDP2 keeps the gathered parameter across steps
+                gathered.register_post_accumulate_grad_hook(
+                    lambda _, i=i: self._seen.add(i)
+                )
+                self._hooked.add(i)
 
     def rebind(self) -> None:
-        """Nothing: FSDP2 keeps its gradients itself."""
+        """Nothing: FSDP2 makes a dropped sharded gradient anew at its next reduce-scatter."""
+
+    def _drop_absent(self) -> None:
+        """Sum the replicas' presence (one small all-reduce); where this replica missed a
+        weight, read the sums back and drop the sharded gradients no replica made."""
+        flags = [float(i in self._seen) for i in range(len(self._weights))]
+        self._seen = set()
+        presence = torch.tensor(flags).to(self.device, non_blocking=True)
+        dist.all_reduce(presence, group=self.group)
+        missed = [i for i, flag in enumerate(flags) if not flag]
+        if not missed:
+            return
+        counts = presence[missed].tolist()
+        for i, count in zip(missed, counts, strict=True):
+            if count == 0:
+                self._weights[i].sharded_param.grad = None
 
     def leaves(self, weights: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """What W computes the gradients of, for ``weights`` (the stage's parameters): for a
@@ -223,10 +276,9 @@ def _private(owner: object, name: str) -> Any:
         return getattr(owner, name)
     except AttributeError as error:
         raise RuntimeError(
-            f"zero=2|3 with a split-backward schedule (zb-h1, zb-h2) needs FSDP2's {name!r} "
-            f"of {type(owner).__name__}, which torch {torch.__version__} lacks (written "
-            "against torch 2.13): use zero=1 or a schedule without W (1f1b, gpipe, "
-            "interleaved-1f1b)"
+            f"zero=2|3 needs FSDP2's {name!r} of {type(owner).__name__} (for a split-backward "
+            f"schedule's reduce and for weights without gradients), which torch "
+            f"{torch.__version__} lacks (written against torch 2.13): use zero=1"
         ) from error
 
 
