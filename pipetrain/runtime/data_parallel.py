@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PeerError
+from pipetrain.runtime import readback
 
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 
@@ -161,7 +162,7 @@ class GradientSync:
         self._seen = set()
         if not missed:
             return
-        counts = torch.stack([self._presence(k)[i] for k, i in missed]).tolist()
+        counts = readback.wait_for(torch.stack([self._presence(k)[i] for k, i in missed]))
         for (k, i), count in zip(missed, counts, strict=True):
             if count == 0:
                 p = self.buckets[k][i]

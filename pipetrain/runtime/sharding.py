@@ -56,6 +56,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetrain.checkpoints.checkpointing import WholeState
+from pipetrain.runtime import readback
 from pipetrain.runtime.stage import OptimizerFactory, Stage
 from schedules import Schedule
 
@@ -227,7 +228,7 @@ class ShardedGradients:
         missed = [i for i, flag in enumerate(flags) if not flag]
         if not missed:
             return
-        counts = presence[missed].tolist()
+        counts = readback.wait_for(presence[missed])
         for i, count in zip(missed, counts, strict=True):
             if count == 0:
                 self._weights[i].sharded_param.grad = None

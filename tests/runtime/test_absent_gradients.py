@@ -27,7 +27,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pipetrain
+from pipetrain.runtime import readback
 from tests.runtime.harness import run_ranks, values
+from tests.runtime.models import batches, mlp
+from tests.runtime.test_step_cost import fused_sgd, host_syncs, plain_sgd
 
 STEPS = 3
 CLIP = 0.5
@@ -175,3 +178,48 @@ def test_the_model_has_each_kind_of_absent_weight():
         seen.append({n for n, p in net.named_parameters() if p.grad is None})
     never = {"0.weight", "0.bias", "5.unused.weight", "5.unused.bias"}
     assert seen == [never, never | {"3.shift"}, never]
+
+
+def _host_syncs(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """Host syncs in 2 steps of 2 stages x 2 replicas, per zero level: of a model whose every
+    weight gets a gradient, and of the same model behind a detached layer (stage 0's first
+    weights never get one); as ``.item()``-like calls (the profiler's count, test_step_cost.py)
+    and as reads of the presence (readback.wait_for: ``.tolist()``, which the profiler does
+    not see, a host sync on CUDA all the same). At zero 0 the optimizer skips on the device
+    (fused SGD); FSDP2's DTensors have no fused SGD, so at zero 2 the host reads whether to
+    step (1 per step)."""
+    reads = [0]
+    wait_for = readback.wait_for
+
+    def counted(tensor: torch.Tensor) -> list:
+        reads[0] += 1
+        return wait_for(tensor)
+
+    readback.wait_for = counted  # type: ignore[assignment]
+    counts = {}
+    for zero, optimizer in ((0, fused_sgd), (2, plain_sgd)):
+        for name, net, balance in (
+            ("all used", mlp(), [5, 7]),
+            ("detached", nn.Sequential(Affine(12), Detach(), *mlp()), [7, 7]),
+        ):
+            pipe = pipetrain.Pipeline(
+                net, balance, chunks=2, schedule="1f1b", replicas=2, zero=zero,
+                loss_fn=nn.functional.cross_entropy, optimizer=optimizer, timeout=60,
+            )
+            data = [(x[:12], y[:12]) for x, y in batches(3)]
+            pipe.train_step(*data[0])  # warm-up: optimizer state
+            reads[0] = 0
+            syncs = host_syncs(lambda p=pipe, d=data: [p.train_step(*b) for b in d[1:]], steps=1)
+            counts[f"{name}, zero {zero}"] = syncs, reads[0]
+    return counts
+
+
+def test_only_a_rank_missing_a_gradient_waits_for_the_host():
+    """No host sync added where every weight has a gradient (the presence rides unread: 0
+    per step at zero 0); 1 per step (reading the replicas' presence) on the ranks of a stage
+    with a weight that has none, and none on the others."""
+    for rank, counts in enumerate(values(run_ranks(_host_syncs, 4, deadline=300))):
+        missing = 2 if rank % 2 == 0 else 0  # ranks 0, 2 hold stage 0; 2 steps
+        for zero, base in ((0, 0), (2, 2)):
+            assert counts[f"all used, zero {zero}"] == (base, 0), (rank, counts)
+            assert counts[f"detached, zero {zero}"] == (base, missing), (rank, counts)
