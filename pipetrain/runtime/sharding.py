@@ -38,7 +38,12 @@ the last backward, from the gathered weights' gradients accumulated so far; in i
 post-accumulate hooks), one small all-reduce per step sums that presence over the replicas, and
 a replica that missed some reads the sums back (in such steps only) and drops the sharded
 gradients no replica made. (At zero 0 and 1 the presence rides in the gradients' own
-all-reduce: data_parallel.py.)
+all-reduce: data_parallel.py.) Not covered: FSDP2 reduce-scatters a layer as the backward
+leaves it where the layer's inputs require gradients, else at the backward's end; a weight
+that is the first one a stage's gradient reaches (nothing before it on the stage has weights
+that get gradients), used by some replicas' last micro-batch only, makes the next layer's
+inputs require gradients on those replicas only, so the replicas reduce-scatter in different
+orders (gloo stops on the mismatch). Use zero=1 for such a model.
 """
 
 from __future__ import annotations

@@ -15,8 +15,14 @@ steps (pipetrain/runtime/data_parallel.py). The model has each kind:
     micro-batch): present on one replica only, it must get the replicas' averaged gradient.
 
 Tolerance 1e-5 (fp32), as test_zero.py: the replicas and micro-batches sum the mini-batch's
-contributions in another order (~1e-7); the defect moved weights by ~1e-3 (the decay alone is
-lr * weight_decay * w = 5e-3 * w per step).
+contributions in another order (measured: 1.0e-7 at most); the defect moved weights by 5e-3 to
+1.5e-2 (the decay alone is lr * weight_decay * w = 5e-3 * w per step, and moments moved by a
+zero gradient move the weight by up to lr).
+
+At zero 2 and 3 one data-dependent case is left out: a weight that is the first one a stage's
+gradient reaches, used by some replicas' last micro-batch only, changes which FSDP2 layers'
+inputs require gradients there, so the replicas reduce-scatter in different orders (see
+pipetrain/runtime/sharding.py). Here Marked follows a Linear, whose output always does.
 """
 
 from __future__ import annotations
@@ -125,13 +131,15 @@ def single_process() -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-def _train(rank: int, world: int, levels: tuple[int, ...]) -> dict[int, dict]:
+def _train(
+    rank: int, world: int, levels: tuple[int, ...], schedule: str = "1f1b"
+) -> dict[int, dict]:
     """Per zero level, this rank's whole parameters after the steps, and which of its
     stage's weights have a gradient after the last step."""
     out = {}
     for zero in levels:
         pipe = pipetrain.Pipeline(
-            model(), BALANCE, chunks=2, schedule="1f1b", replicas=2, zero=zero,
+            model(), BALANCE, chunks=2, schedule=schedule, replicas=2, zero=zero,
             loss_fn=nn.functional.cross_entropy, optimizer=adamw, clip_grad_norm=CLIP,
             timeout=60,
         )
@@ -148,20 +156,29 @@ def _train(rank: int, world: int, levels: tuple[int, ...]) -> dict[int, dict]:
     return out
 
 
-def _largest_difference(levels: tuple[int, ...]) -> dict[int, tuple[float, str]]:
+def _largest_difference(levels: tuple[int, ...], schedule: str) -> dict[int, tuple[float, str]]:
+    """Per zero level, the largest difference to one process over every parameter of every
+    rank; and every rank's weights without a gradient after the last step are those one
+    process has none for (the detached layer's, the unused submodule's on either stage)."""
     expected = single_process()
+    unused = {f"{i}.unused.{k}" for i in (5, 8) for k in ("weight", "bias")}
+    absent = {"0.weight", "0.bias"} | unused
     worst: dict[int, tuple[float, str]] = {z: (0.0, "") for z in levels}
-    for ranks in values(run_ranks(_train, 4, levels, deadline=300)):
+    for ranks in values(run_ranks(_train, 4, levels, schedule, deadline=300)):
         for zero, got in ranks.items():
             for key, value in got["state"].items():
                 diff = (value - expected[key]).abs().max().item()
                 worst[zero] = max(worst[zero], (diff, key))
+            gradients = got["grads"]
+            assert {n for n, has in gradients.items() if not has} == absent & set(gradients)
     return worst
 
 
-@pytest.mark.parametrize("levels", [(0, 1, 2, 3)])
-def test_weights_without_gradients_train_as_in_one_process_over_replicas(levels):
-    worst = _largest_difference(levels)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_weights_without_gradients_train_as_in_one_process_over_replicas(schedule):
+    """Under 1F1B, and under a split backward (W makes the weight gradients; at zero 2 and 3
+    the reduce-scatters wait for the last W)."""
+    worst = _largest_difference((0, 1, 2, 3), schedule)
     print("largest parameter difference per zero level:", worst)
     for zero, (diff, key) in worst.items():
         assert diff <= TOLERANCE, (zero, key, diff)
