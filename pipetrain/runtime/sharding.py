@@ -169,6 +169,9 @@ class ShardedGradients:
             for param_group in _private(_fsdp_state(part), "_fsdp_param_groups")
             for weight in _private(param_group, "fsdp_params")
         ]
+        for weight in self._weights:  # what _note_gradients reads, there on this torch
+            _private(weight, "unsharded_accumulated_grad")
+            _private(type(weight), "unsharded_param")
         self._seen: set[int] = set()  # the weights this replica made gradients for this step
         self._hooked: set[int] = set()
         if split_backward:  # what _reduce reads, there before the first step
@@ -209,12 +212,13 @@ class ShardedGradients:
         """Before the reduce-scatter: the weights whose gathered gradients the backwards so far
         made (kept unreduced until now), and a hook noting those the last backward makes."""
         for i, weight in enumerate(self._weights):
-            if not hasattr(weight, "_unsharded_param"):  # never gathered: no gradient
+            try:
+                gathered = weight.unsharded_param  # FSDP2 keeps it across steps
+            except AttributeError:  # never gathered yet: no gradient
                 continue
-            gathered = weight.unsharded_param
             if gathered.grad is not None or weight.unsharded_accumulated_grad is not None:
                 self._seen.add(i)
-            if i not in self._hooked:  # FSDP2 keeps the gathered parameter across steps
+            if i not in self._hooked:
                 gathered.register_post_accumulate_grad_hook(
                     lambda _, i=i: self._seen.add(i)
                 )
