@@ -38,12 +38,12 @@ the last backward, from the gathered weights' gradients accumulated so far; in i
 post-accumulate hooks), one small all-reduce per step sums that presence over the replicas, and
 a replica that missed some reads the sums back (in such steps only) and drops the sharded
 gradients no replica made. (At zero 0 and 1 the presence rides in the gradients' own
-all-reduce: data_parallel.py.) Not covered: FSDP2 reduce-scatters a layer as the backward
-leaves it where the layer's inputs require gradients, else at the backward's end; a weight
-that is the first one a stage's gradient reaches (nothing before it on the stage has weights
-that get gradients), used by some replicas' last micro-batch only, makes the next layer's
-inputs require gradients on those replicas only, so the replicas reduce-scatter in different
-orders (gloo stops on the mismatch). Use zero=1 for such a model.
+all-reduce: data_parallel.py.) FSDP2 reduce-scatters a layer as the backward leaves it where
+the layer's inputs require gradients, else at the backward's end: a data-dependent weight that
+is the first one a stage's gradient reaches would have the next layer's inputs require
+gradients on some replicas only, and the replicas reduce-scatter in different orders. So each
+sharded layer's inputs are made to require gradients (:func:`_inputs_requiring_gradients`;
+under a split backward ``finish`` reduces every layer in one order instead).
 """
 
 from __future__ import annotations
@@ -156,6 +156,8 @@ class ShardedGradients:
             if any(p.requires_grad and p not in kept for p in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
                             ignored_params=kept or None)
+                if not split_backward:  # there finish reduces every layer, in one order
+                    layer.register_forward_pre_hook(_inputs_requiring_gradients, prepend=True)
                 shards.append(layer)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
@@ -272,6 +274,19 @@ class ShardedGradients:
             for group in _private(state, "_fsdp_param_groups"):
                 _private(group, "post_backward")()
         _private(root, "_root_post_backward_final_callback")()
+
+
+def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A sharded layer's floating-point inputs, each made to require gradients where it does
+    not (a new leaf: the caller's tensor is left alone), before FSDP2's own pre-forward hook,
+    so every replica reduce-scatters the layer as the backward leaves it, in the same order
+    (module docstring). Costs the gradient of such an input (stage 0's first layer, a layer
+    after a detached one); no weight's gradient changes."""
+    return tuple(
+        x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
+        and not x.requires_grad else x
+        for x in inputs
+    )
 
 
 def _fsdp_state(module: nn.Module) -> Any:
