@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree
 
 from pipetrain.checkpoints.checkpointing import WholeState
 from pipetrain.runtime import readback
@@ -277,16 +278,16 @@ class ShardedGradients:
 
 
 def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A sharded layer's floating-point inputs, each made to require gradients where it does
-    not (a new leaf: the caller's tensor is left alone), before FSDP2's own pre-forward hook,
-    so every replica reduce-scatters the layer as the backward leaves it, in the same order
-    (module docstring). Costs the gradient of such an input (stage 0's first layer, a layer
-    after a detached one); no weight's gradient changes."""
-    return tuple(
-        x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point()
-        and not x.requires_grad else x
-        for x in inputs
-    )
+    """A sharded layer's floating-point inputs (in tuples and dicts too), each made to require
+    gradients where it does not (a new leaf: the caller's tensor is left alone), before FSDP2's
+    own pre-forward hook, so every replica reduce-scatters the layer as the backward leaves it,
+    in the same order (module docstring). Costs the gradient of such an input (stage 0's first
+    layer, a layer after a detached one); no weight's gradient changes."""
+
+    def leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().requires_grad_() if x.is_floating_point() and not x.requires_grad else x
+
+    return cast(tuple[Any, ...], _pytree.tree_map_only(torch.Tensor, leaf, inputs))
 
 
 def _fsdp_state(module: nn.Module) -> Any:
