@@ -233,11 +233,12 @@ class ShardedGradients:
     def _drop_absent(self) -> None:
         """Sum the replicas' presence (one small all-reduce); where this replica missed a
         weight, read the sums back and drop the sharded gradients no replica made."""
-        flags = [float(i in self._seen) for i in range(len(self._weights))]
+        missed = [i for i in range(len(self._weights)) if i not in self._seen]
         self._seen = set()
-        presence = torch.tensor(flags).to(self.device, non_blocking=True)
+        presence = torch.ones(len(self._weights), device=self.device)  # made there: no copy
+        for i in missed:
+            presence[i].zero_()
         dist.all_reduce(presence, group=self.group)
-        missed = [i for i, flag in enumerate(flags) if not flag]
         if not missed:
             return
         counts = readback.wait_for(presence[missed])
