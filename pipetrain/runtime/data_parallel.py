@@ -45,7 +45,8 @@ class Sync(Protocol):
     def finish(self) -> None: ...
 
     def rebind(self) -> None:
-        """Before a step's first backward: give back the gradients ``finish`` dropped."""
+        """Before a step's first backward: give back the gradients ``finish`` dropped, and
+        start noting which ones this step makes."""
 
 
 class GradientSync:
@@ -159,7 +160,6 @@ class GradientSync:
             (k, i) for k, bucket in enumerate(self.buckets)
             for i, p in enumerate(bucket) if id(p) not in self._seen
         ]
-        self._seen = set()
         if not missed:
             return
         counts = readback.wait_for(torch.stack([self._presence(k)[i] for k, i in missed]))
@@ -172,10 +172,12 @@ class GradientSync:
 
     def rebind(self) -> None:
         """Give the dropped gradients their bucket views back, zeroed (a None ``.grad`` would
-        have autograd allocate a fresh tensor outside the bucket)."""
+        have autograd allocate a fresh tensor outside the bucket); none seen yet this step
+        (not even by a step that failed before its end)."""
         for p, view in self._dropped:
             p.grad = view.zero_()
         self._dropped = []
+        self._seen = set()
 
 
 class JointSync:

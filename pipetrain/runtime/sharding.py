@@ -228,13 +228,14 @@ class ShardedGradients:
                 self._hooked.add(i)
 
     def rebind(self) -> None:
-        """Nothing: FSDP2 makes a dropped sharded gradient anew at its next reduce-scatter."""
+        """None seen yet this step (FSDP2 makes a dropped sharded gradient anew at its next
+        reduce-scatter: nothing to give back)."""
+        self._seen = set()
 
     def _drop_absent(self) -> None:
         """Sum the replicas' presence (one small all-reduce); where this replica missed a
         weight, read the sums back and drop the sharded gradients no replica made."""
         missed = [i for i in range(len(self._weights)) if i not in self._seen]
-        self._seen = set()
         presence = torch.ones(len(self._weights), device=self.device)  # made there: no copy
         for i in missed:
             presence[i].zero_()
