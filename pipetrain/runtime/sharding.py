@@ -43,7 +43,12 @@ the layer's inputs require gradients, else at the backward's end: a data-depende
 is the first one a stage's gradient reaches would have the next layer's inputs require
 gradients on some replicas only, and the replicas reduce-scatter in different orders. So each
 sharded layer's inputs are made to require gradients (:func:`_inputs_requiring_gradients`;
-under a split backward ``finish`` reduces every layer in one order instead).
+under a split backward ``finish`` reduces every layer in one order instead). Still not covered
+without a split backward: a layer that, in some replicas' last micro-batch only, cuts the
+gradient off from two or more sharded layers before it (returns a fresh tensor instead of one
+computed from its input): those replicas reduce-scatter those layers at the backward's end, the
+others as the backward leaves them, so in another order (gloo aborts on the mismatch). Such a
+model trains at zero=1, or at zero 2 and 3 under zb-h1 or zb-h2.
 """
 
 from __future__ import annotations
