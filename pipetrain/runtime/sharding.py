@@ -47,8 +47,8 @@ under a split backward ``finish`` reduces every layer in one order instead). Sti
 without a split backward: a layer that, in some replicas' last micro-batch only, cuts the
 gradient off from two or more sharded layers before it (returns a fresh tensor instead of one
 computed from its input): those replicas reduce-scatter those layers at the backward's end, the
-others as the backward leaves them, so in another order (gloo aborts on the mismatch). Such a
-model trains at zero=1, or at zero 2 and 3 under zb-h1 or zb-h2.
+others as the backward leaves them, so in another order (gloo aborts on the mismatch, NCCL may
+wait out its timeout). Such a model trains at zero=1, or at zero 2 and 3 under zb-h1 or zb-h2.
 """
 
 from __future__ import annotations
