@@ -7,6 +7,16 @@ parameter is done, so communication overlaps the rest of the backward. ``finish`
 optimizer step) launches what is left, waits, and scales. Each parameter's ``.grad`` is a view
 into its bucket's flat buffer, so autograd accumulates straight into what is reduced: no copies
 in or out (the stage zeroes these gradients in place instead of dropping them).
+
+A parameter that no backward reached on any of the ranks in a step (a detached path, an unused
+module, a data-dependent branch no replica's batch took) has no gradient in one process, and
+torch's optimizers skip it (no weight decay, no moment update): its zero view must not reach the
+optimizer. Each bucket's buffer ends with one presence entry per parameter, reduced with the
+gradients (no extra collective): 1 where the parameter's hook fired in a backward of the step
+on this rank, else 0. The hooks run on the host, so a rank knows at no cost which parameters
+it saw; one it saw has a gradient in one process too. Only a rank that missed some reads their
+summed presence back (the one host wait, in such steps only) and drops the gradients no rank
+made (``.grad = None`` until :meth:`GradientSync.rebind`, before the next step's backwards).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PeerError
+from pipetrain.runtime import readback
 
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 
@@ -32,6 +43,10 @@ class Sync(Protocol):
     def arm(self) -> None: ...
 
     def finish(self) -> None: ...
+
+    def rebind(self) -> None:
+        """Before a step's first backward: give back the gradients ``finish`` dropped, and
+        start noting which ones this step makes."""
 
 
 class GradientSync:
@@ -58,6 +73,8 @@ class GradientSync:
             size += p.numel() * p.element_size()
         self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self.flats = [self._bind(bucket) for bucket in self.buckets]
+        self._seen: set[int] = set()  # the parameters whose gradients this rank made this step
+        self._dropped: list[tuple[nn.Parameter, torch.Tensor]] = []  # and their views
         self._armed = False
         self._pending: list[int] = []  # parameters still to come, per bucket
         self._launched: dict[int, tuple[dist.Work, torch.Tensor]] = {}
@@ -66,14 +83,19 @@ class GradientSync:
 
     @staticmethod
     def _bind(bucket: list[nn.Parameter]) -> torch.Tensor:
-        """One zeroed buffer for the bucket; every parameter's gradient becomes a view of it."""
-        flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
-                           device=bucket[0].device)
+        """One zeroed buffer for the bucket: every parameter's gradient becomes a view of it,
+        and one presence entry per parameter follows the gradients."""
+        size = sum(p.numel() for p in bucket)
+        flat = torch.zeros(size + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
         offset = 0
         for p in bucket:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         return flat
+
+    def _presence(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s presence entries, one per parameter, after its gradients."""
+        return self.flats[k][-len(self.buckets[k]) :]
 
     def arm(self) -> None:
         """The next backward is the last of the mini-batch: reduce buckets as they complete."""
@@ -86,6 +108,7 @@ class GradientSync:
         self._launched = {}
 
     def _on_gradient(self, param: torch.Tensor) -> None:
+        self._seen.add(id(param))
         if not self._armed:
             return
         k = self._bucket_of[id(param)]
@@ -101,6 +124,11 @@ class GradientSync:
                     "a synchronised parameter's gradient was dropped (zero_grad(set_to_none="
                     "True) or a replaced .grad); its bucket view is gone"
                 )
+        presence = self._presence(k)
+        presence.fill_(1)
+        for i, p in enumerate(self.buckets[k]):
+            if id(p) not in self._seen:
+                presence[i].zero_()
         work = dist.all_reduce(self.flats[k], group=self.group, async_op=True)
         assert work is not None
         self._launched[k] = (work, self.flats[k])
@@ -123,6 +151,33 @@ class GradientSync:
             if self.scale != 1.0:
                 flat.mul_(self.scale)
         self._armed = False
+        self._drop_absent()
+
+    def _drop_absent(self) -> None:
+        """Drop the gradients of the parameters no rank's backward reached this step; read
+        back only where this rank missed some (every other one is present: it made it)."""
+        missed = [
+            (k, i) for k, bucket in enumerate(self.buckets)
+            for i, p in enumerate(bucket) if id(p) not in self._seen
+        ]
+        if not missed:
+            return
+        counts = readback.wait_for(torch.stack([self._presence(k)[i] for k, i in missed]))
+        for (k, i), count in zip(missed, counts, strict=True):
+            if count == 0:
+                p = self.buckets[k][i]
+                assert p.grad is not None
+                self._dropped.append((p, p.grad))
+                p.grad = None
+
+    def rebind(self) -> None:
+        """Give the dropped gradients their bucket views back, zeroed (a None ``.grad`` would
+        have autograd allocate a fresh tensor outside the bucket); none seen yet this step
+        (not even by a step that failed before its end)."""
+        for p, view in self._dropped:
+            p.grad = view.zero_()
+        self._dropped = []
+        self._seen = set()
 
 
 class JointSync:
@@ -140,6 +195,9 @@ class JointSync:
         if self._finished == self.stages:
             self._finished = 0
             self.sync.finish()
+
+    def rebind(self) -> None:
+        self.sync.rebind()
 
 
 def tied_parameters(

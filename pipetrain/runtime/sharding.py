@@ -28,13 +28,34 @@ zero 2 and 3: each copy is whole on every replica, as at zero 0, and its gradien
 all-reduced over the tie's ranks in every replica (data_parallel.GradientSync, summed over the
 tied stages, averaged over the replicas), so the copies stay identical. Only the tied weights
 are held whole; the rest of the stage is sharded as above.
+
+A weight no backward of the step reached, on any replica, has no gradient in one process, and
+the optimizer skips it (no weight decay, no moment update). At zero 2 and 3 FSDP2 reduces every
+weight, with zeros where a replica made no gradient (``set_reduce_scatter_unused_params``:
+otherwise a weight only some replicas' batches reached would make their reduce-scatters differ
+in size, a collective mismatch); each replica records which weights it made gradients for (at
+the last backward, from the gathered weights' gradients accumulated so far; in it, by their
+post-accumulate hooks), one small all-reduce per step sums that presence over the replicas, and
+a replica that missed some reads the sums back (in such steps only) and drops the sharded
+gradients no replica made. (At zero 0 and 1 the presence rides in the gradients' own
+all-reduce: data_parallel.py.) FSDP2 reduce-scatters a layer as the backward leaves it where
+the layer's inputs require gradients, else at the backward's end: a data-dependent weight that
+is the first one a stage's gradient reaches would have the next layer's inputs require
+gradients on some replicas only, and the replicas reduce-scatter in different orders. So each
+sharded layer's inputs are made to require gradients (:func:`_inputs_requiring_gradients`;
+under a split backward ``finish`` reduces every layer in one order instead). Still not covered
+without a split backward: a layer that, in some replicas' last micro-batch only, cuts the
+gradient off from two or more sharded layers before it (returns a fresh tensor instead of one
+computed from its input): those replicas reduce-scatter those layers at the backward's end, the
+others as the backward leaves them, so in another order (gloo aborts on the mismatch, NCCL may
+wait out its timeout). Such a model trains at zero=1, or at zero 2 and 3 under zb-h1 or zb-h2.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,8 +64,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree
 
 from pipetrain.checkpoints.checkpointing import WholeState
+from pipetrain.runtime import readback
 from pipetrain.runtime.stage import OptimizerFactory, Stage
 from schedules import Schedule
 
@@ -139,12 +162,26 @@ class ShardedGradients:
             if any(p.requires_grad and p not in kept for p in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
                             ignored_params=kept or None)
+                if not split_backward:  # there finish reduces every layer, in one order
+                    layer.register_forward_pre_hook(_inputs_requiring_gradients, prepend=True)
                 shards.append(layer)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._layers = module  # the same, as an nn.Module
         self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
+        self.group, self.device = group, device
+        self.module.set_reduce_scatter_unused_params(True)  # the same reduce-scatters
+        self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
+            weight for part in module.modules() if isinstance(part, FSDPModule)
+            for param_group in _private(_fsdp_state(part), "_fsdp_param_groups")
+            for weight in _private(param_group, "fsdp_params")
+        ]
+        for weight in self._weights:  # what _note_gradients reads, there on this torch
+            _private(weight, "unsharded_accumulated_grad")
+            _private(type(weight), "unsharded_param")
+        self._seen: set[int] = set()  # the weights this replica made gradients for this step
+        self._hooked: set[int] = set()
         if split_backward:  # what _reduce reads, there before the first step
             for part in [module, *shards]:
                 for group in _private(_fsdp_state(part), "_fsdp_param_groups"):
@@ -164,6 +201,7 @@ class ShardedGradients:
     def arm(self) -> None:
         if self.split_backward:  # the reduce-scatter waits for the last W: finish
             return
+        self._note_gradients()
         self.module.set_requires_gradient_sync(True)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(True)
@@ -173,8 +211,46 @@ class ShardedGradients:
         backward, they run here, after the last W); back to accumulating for the next
         mini-batch."""
         if self.split_backward:
+            self._note_gradients()
             self._reduce()
         self._accumulate()
+        self._drop_absent()
+
+    def _note_gradients(self) -> None:
+        """Before the reduce-scatter: the weights whose gathered gradients the backwards so far
+        made (kept unreduced until now), and a hook noting those the last backward makes."""
+        for i, weight in enumerate(self._weights):
+            try:
+                gathered = weight.unsharded_param  # FSDP2 keeps it across steps
+            except AttributeError:  # never gathered yet: no gradient
+                continue
+            if gathered.grad is not None or weight.unsharded_accumulated_grad is not None:
+                self._seen.add(i)
+            if i not in self._hooked:
+                gathered.register_post_accumulate_grad_hook(
+                    lambda _, i=i: self._seen.add(i)
+                )
+                self._hooked.add(i)
+
+    def rebind(self) -> None:
+        """None seen yet this step (FSDP2 makes a dropped sharded gradient anew at its next
+        reduce-scatter: nothing to give back)."""
+        self._seen = set()
+
+    def _drop_absent(self) -> None:
+        """Sum the replicas' presence (one small all-reduce); where this replica missed a
+        weight, read the sums back and drop the sharded gradients no replica made."""
+        missed = [i for i in range(len(self._weights)) if i not in self._seen]
+        presence = torch.ones(len(self._weights), device=self.device)  # made there: no copy
+        for i in missed:
+            presence[i].zero_()
+        dist.all_reduce(presence, group=self.group)
+        if not missed:
+            return
+        counts = readback.wait_for(presence[missed])
+        for i, count in zip(missed, counts, strict=True):
+            if count == 0:
+                self._weights[i].sharded_param.grad = None
 
     def leaves(self, weights: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """What W computes the gradients of, for ``weights`` (the stage's parameters): for a
@@ -208,6 +284,19 @@ class ShardedGradients:
         _private(root, "_root_post_backward_final_callback")()
 
 
+def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A sharded layer's floating-point inputs (in tuples and dicts too), each made to require
+    gradients where it does not (a new leaf: the caller's tensor is left alone), before FSDP2's
+    own pre-forward hook, so every replica reduce-scatters the layer as the backward leaves it,
+    in the same order (module docstring). Costs the gradient of such an input (stage 0's first
+    layer, a layer after a detached one); no weight's gradient changes."""
+
+    def leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().requires_grad_() if x.is_floating_point() and not x.requires_grad else x
+
+    return cast(tuple[Any, ...], _pytree.tree_map_only(torch.Tensor, leaf, inputs))
+
+
 def _fsdp_state(module: nn.Module) -> Any:
     """FSDP2's state of a ``fully_shard``ed ``module``."""
     return _private(fully_shard, "state")(module)
@@ -220,10 +309,9 @@ def _private(owner: object, name: str) -> Any:
         return getattr(owner, name)
     except AttributeError as error:
         raise RuntimeError(
-            f"zero=2|3 with a split-backward schedule (zb-h1, zb-h2) needs FSDP2's {name!r} "
-            f"of {type(owner).__name__}, which torch {torch.__version__} lacks (written "
-            "against torch 2.13): use zero=1 or a schedule without W (1f1b, gpipe, "
-            "interleaved-1f1b)"
+            f"zero=2|3 needs FSDP2's {name!r} of {type(owner).__name__} (for a split-backward "
+            f"schedule's reduce and for weights without gradients), which torch "
+            f"{torch.__version__} lacks (written against torch 2.13): use zero=1"
         ) from error
 
 

@@ -341,6 +341,8 @@ class Stage:
         # synchronised gradients are views into all-reduce buckets; a replayed CUDA graph
         # adds into .grad in place (a .grad set to None would become the graph's buffer);
         # never a weight that another stage of this process steps (and may synchronise)
+        for sync in self.syncs:  # a gradient no rank made was dropped for the step
+            sync.rebind()
         self._update.zero_grad(keep=bool(self.syncs) or self.graphs is not None)
 
     def check_backpropagated(self) -> None:

@@ -94,6 +94,9 @@ def run_ranks(
 
 def values(results: list[tuple]) -> list:
     """The ranks' return values; fails with every rank's traceback if any raised."""
-    errors = [f"rank {r}: {v[2]}" for r, (s, v) in enumerate(results) if s != "ok"]
+    errors = [
+        f"rank {r}: {v[2] if s == 'error' else f'died (exit code {v})'}"
+        for r, (s, v) in enumerate(results) if s != "ok"
+    ]
     assert not errors, "\n".join(errors)
     return [v for _, v in results]
