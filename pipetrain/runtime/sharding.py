@@ -171,7 +171,7 @@ class ShardedGradients:
         self._layers = module  # the same, as an nn.Module
         self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
         self.group, self.device = group, device
-        self.module.set_reduce_scatter_unused_params(True)  # the same reduce-scatters
+        _private(self.module, "set_reduce_scatter_unused_params")(True)  # the same reduce-scatters
         self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
             weight for part in module.modules() if isinstance(part, FSDPModule)
             for param_group in _private(_fsdp_state(part), "_fsdp_param_groups")
@@ -303,8 +303,9 @@ def _fsdp_state(module: nn.Module) -> Any:
 
 
 def _private(owner: object, name: str) -> Any:
-    """``owner.name``, a part of FSDP2 that torch keeps private and a split backward needs;
-    its absence (another torch) is an error naming the version."""
+    """``owner.name``, a part of FSDP2 that a split backward or a weight without gradients
+    needs and that older torch lacks (or keeps private); its absence is an error naming the
+    version."""
     try:
         return getattr(owner, name)
     except AttributeError as error:
