@@ -149,7 +149,8 @@ def assemble(
             whole = [p for p in layers.parameters() if id(p) in tied]
             sharding = ShardedGradients(layers, group, zero, devices[s],
                                         bring_up if by_layer else None, whole,
-                                        split_backward=schedule.splits_backward)
+                                        split_backward=schedule.splits_backward,
+                                        timeout=config.timeout)
             syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]

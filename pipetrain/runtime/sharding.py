@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -67,6 +68,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree
 
 from pipetrain.checkpoints.checkpointing import WholeState
+from pipetrain.errors import PeerError
 from pipetrain.runtime import readback
 from pipetrain.runtime.stage import OptimizerFactory, Stage
 from schedules import Schedule
@@ -148,6 +150,7 @@ class ShardedGradients:
         bring_up: Callable[[int], object] | None = None,
         whole: Collection[nn.Parameter] = (),
         split_backward: bool = False,
+        timeout: float = 300.0,
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         self.split_backward = split_backward
@@ -170,7 +173,7 @@ class ShardedGradients:
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._layers = module  # the same, as an nn.Module
         self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
-        self.group, self.device = group, device
+        self.group, self.device, self.timeout = group, device, timeout
         _private(self.module, "set_reduce_scatter_unused_params")(True)  # the same reduce-scatters
         self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
             weight for part in module.modules() if isinstance(part, FSDPModule)
@@ -181,6 +184,8 @@ class ShardedGradients:
             _private(weight, "unsharded_accumulated_grad")
             _private(type(weight), "unsharded_param")
         self._seen: set[int] = set()  # the weights this replica made gradients for this step
+        # per weight, how many replicas made its gradient this step (summed at finish)
+        self._presence = torch.ones(len(self._weights), device=device)
         self._hooked: set[int] = set()
         if split_backward:  # what _reduce reads, there before the first step
             for part in [module, *shards]:
@@ -241,10 +246,18 @@ class ShardedGradients:
         """Sum the replicas' presence (one small all-reduce); where this replica missed a
         weight, read the sums back and drop the sharded gradients no replica made."""
         missed = [i for i in range(len(self._weights)) if i not in self._seen]
-        presence = torch.ones(len(self._weights), device=self.device)  # made there: no copy
+        presence = self._presence.fill_(1)
         for i in missed:
             presence[i].zero_()
-        dist.all_reduce(presence, group=self.group)
+        work = dist.all_reduce(presence, group=self.group, async_op=True)
+        assert work is not None
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise PeerError(
+                f"the replicas' gradient presence all-reduce failed ({error}); a replica of "
+                "this stage failed or died"
+            ) from error
         if not missed:
             return
         counts = readback.wait_for(presence[missed])
