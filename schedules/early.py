@@ -5,7 +5,8 @@ The previous stage (on another rank) waits for those input gradients to run its 
 backward, which the pipeline's drain waits for; computing the weight gradients after sending
 takes them off the drain, once per stage boundary. A schedule that splits every backward (zero
 bubble) places its W actions itself; elsewhere the runtime names the stages where the split
-costs nothing extra (pipetrain/runtime/executor.py) and runs the list this function writes.
+costs nothing extra (pipetrain/runtime/update.py, ``Update.call_list``) and runs the list this
+function writes.
 """
 
 from __future__ import annotations
