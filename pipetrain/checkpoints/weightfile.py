@@ -7,8 +7,10 @@ parameter at once, so a rank holds its parameters plus one tensor in flight. It 
 tensor by tensor after a header computed from shapes alone (``save_file`` needs every tensor at
 once), so a checkpoint is consolidated one stage at a time. A ``.pt`` file is read with
 ``torch.load(mmap=True, weights_only=True)``: only the pages of this rank's tensors are read.
-Hosts are assumed little-endian, as safetensors' format is. A directory is a Hugging Face
-checkpoint (safetensors shards and their index: pipetrain/hf/load.py).
+Hosts are assumed little-endian, as safetensors' format is. A directory holds one
+``model.safetensors`` or safetensors shards listed by ``model.safetensors.index.json`` (the
+sharded-safetensors convention, which Hugging Face checkpoints follow): each rank reads its own
+keys shard by shard.
 """
 
 from __future__ import annotations
@@ -172,16 +174,78 @@ _MADV_DONTNEED = 4
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
-# -- both ------------------------------------------------------------------------------------
+# -- a directory of safetensors shards ------------------------------------------------------
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def source(directory: str | os.PathLike[str]) -> Path:
+    """The file that lists the directory's tensors: the index, or the single file."""
+    root = Path(directory)
+    for name in (INDEX, SINGLE):
+        if (root / name).is_file():
+            return root / name
+    raise WeightFileError(
+        f"{root} holds neither {SINGLE} nor {INDEX}: pass a Hugging Face checkpoint directory "
+        "in safetensors (a model saved as pytorch_model.bin can be converted with transformers: "
+        "from_pretrained(...).save_pretrained(dir))"
+    )
+
+
+def shards(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """Every key of the directory and the safetensors file that holds it."""
+    listing = source(directory)
+    if listing.name == SINGLE:
+        return dict.fromkeys(_safetensors_index(listing), listing)
+    try:
+        weight_map = json.loads(listing.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise WeightFileError(
+            f"{listing} is damaged: no weight_map ({error}); write the checkpoint again"
+        ) from None
+    files = {name: listing.parent / name for name in set(weight_map.values())}
+    absent = sorted(name for name, path in files.items() if not path.is_file())
+    if absent:
+        raise WeightFileError(
+            f"{listing} lists shards that are not there: {', '.join(absent)}; copy the whole "
+            "checkpoint directory"
+        )
+    return {key: files[name] for key, name in weight_map.items()}
+
+
+def _directory_index(directory: Path) -> Index:
+    """Every key with its dtype and shape, from the shards' headers."""
+    where = shards(directory)
+    index: Index = {}
+    for path in sorted(set(where.values())):
+        header = _safetensors_index(path)
+        listed = [key for key, file in where.items() if file == path]
+        lost = [key for key in listed if key not in header]
+        if lost:
+            raise WeightFileError(
+                f"{source(directory)} places {', '.join(lost[:5])} in {path.name}, which does "
+                "not hold them: the index and the shards are from different saves"
+            )
+        index.update({key: header[key] for key in listed})
+    return index
+
+
+def _load_directory(directory: Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Read each key of ``targets`` (a file key) into its tensor, one shard at a time."""
+    where = shards(directory)
+    for path in sorted({where[key] for key in targets}):
+        load_safetensors(path, {k: t for k, t in targets.items() if where[k] == path})
+
+
+# -- any of them -----------------------------------------------------------------------------
 
 
 def read_index(path: str | os.PathLike[str]) -> Index:
     """Every key of the file with its dtype and shape, read without the tensors' data."""
     path = Path(path)
-    if path.is_dir():  # a Hugging Face checkpoint directory
-        from pipetrain.hf import load
-
-        return load.read_index(path)
+    if path.is_dir():
+        return _directory_index(path)
     if not path.is_file():
         raise WeightFileError(
             f"{path} does not exist; pass a .safetensors or .pt file, or a Hugging Face "
@@ -211,9 +275,7 @@ def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) ->
     ]
     if problems:
         if Path(path).is_dir():
-            from pipetrain.hf import load
-
-            path = load.source(path)
+            path = source(path)
         raise WeightFileError(
             f"{path} does not fit the model: " + "; ".join(problems)
             + ". Pass the file saved from this model (keys as in model.state_dict()), or build "
@@ -246,9 +308,7 @@ def load_into(
     targets = {tied.get(k, k): v for k, v in module.state_dict(keep_vars=True).items()}
     with torch.no_grad():
         if path.is_dir():
-            from pipetrain.hf import load
-
-            load.load_into(path, {k: v.data for k, v in targets.items()})
+            _load_directory(path, {k: v.data for k, v in targets.items()})
             return
         if is_safetensors(path):
             load_safetensors(path, {k: v.data for k, v in targets.items()})

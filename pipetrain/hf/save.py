@@ -22,8 +22,7 @@ import torch
 
 from partitioner.units import parse_bytes
 from pipetrain.checkpoints.checkpointing import module_states
-from pipetrain.checkpoints.weightfile import Index, write_safetensors
-from pipetrain.hf.load import INDEX, SINGLE
+from pipetrain.checkpoints.weightfile import INDEX, SINGLE, Index, write_safetensors
 from pipetrain.hf.sequential import transformers_module
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")  # not copied over

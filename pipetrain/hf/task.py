@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipetrain.hf.load import INDEX, SINGLE
+from pipetrain.checkpoints.weightfile import INDEX, SINGLE
 from pipetrain.hf.loss import causal_lm_loss, causal_lm_targets
 from pipetrain.hf.sequential import (
     CausalLMLayers,

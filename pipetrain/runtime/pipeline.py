@@ -135,11 +135,10 @@ class Pipeline:
         init: ``init(layer)``, the rule's initialization of one layer, in place of its
             modules' ``reset_parameters()``.
         weights: a whole-model ``.safetensors`` or ``.pt`` file, keys as in
-            ``model.state_dict()``, or a Hugging Face checkpoint directory (pipetrain/hf/load.py;
-            a tied weight saved once is read for each of its keys): each stage reads only its
-            own tensors
-            (pipetrain/checkpoints/weightfile.py). Missing, unexpected or wrongly shaped keys are
-            refused in one error.
+            ``model.state_dict()``, or a Hugging Face checkpoint directory (safetensors shards
+            and their index; a tied weight saved once is read for each of its keys): each stage
+            reads only its own tensors (pipetrain/checkpoints/weightfile.py). Missing, unexpected
+            or wrongly shaped keys are refused in one error.
         checkpoint_dir: resume from the newest checkpoint in this folder, if any (``step``
             tells how many steps are done; the first rank says so).
         checkpoint_every: with ``checkpoint_dir``, save a checkpoint there every this many
