@@ -17,11 +17,12 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = (("observe", "training"), ("checkpoints",), ("runtime",), ("tools",), ("hf",))
+ROOMS = (("observe", "training"), ("checkpoints",), ("runtime",), ("hf",), ("tools",))
 """pipetrain's subpackages in layers, lowest first: a module imports only lower layers."""
 
 
@@ -58,28 +59,121 @@ def constructors(folder: str = "pipetrain") -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+PACKAGES = ("pipetrain", "partitioner", "schedules")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, as the module ``source`` runs it."""
+
+    file: str  # the importing file, relative to the repository
+    source: str  # the importing module, dotted ("pipetrain.tools.cli")
+    target: str  # the imported module: ``from a import b`` is ``a.b`` where that is a module
+    deferred: bool  # inside a function: it runs at the call, not when ``source`` is imported
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _statements(node: ast.AST, deferred: bool = False) -> Iterator[tuple[ast.AST, bool]]:
+    """Every import statement under ``node`` with whether it sits in a function; the bodies
+    of ``if TYPE_CHECKING:`` are left out (they never run: annotations only)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, deferred
+        elif isinstance(child, ast.If) and _is_type_checking(child):
+            yield from (s for o in child.orelse for s in _statements(o, deferred))
+        else:
+            inside = deferred or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                            | ast.Lambda)
+            yield from _statements(child, inside)
+
+
+def imports(packages: tuple[str, ...] = PACKAGES) -> list[Import]:
+    """Every import that runs in the modules of ``packages``, at module level or in a
+    function; ``from a import b`` counts as an import of the module ``a.b`` where that is one
+    of theirs, else of ``a``. A package's own ``__init__`` running first is not counted."""
+    paths = [path for package in packages for path in _sources(ROOT / package)]
+    modules = {_module_name(path) for path in paths}
+    found = []
+    for path in paths:
+        source = _module_name(path)
+        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+        for node, deferred in _statements(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                assert isinstance(node, ast.ImportFrom)
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            found += [Import(str(path.relative_to(ROOT)), source, t, deferred)
+                      for t in dict.fromkeys(targets)]
+    return found
+
+
 def room_imports() -> list[tuple[str, str, str]]:
-    """(from room, to room, file) for each module-level import of one of pipetrain's
-    subpackages by a module of another; imports inside functions and under TYPE_CHECKING
-    (annotations only) are not module-level."""
+    """(from room, to room, file) for each import of one of pipetrain's subpackages by a
+    module of another, in a function or not (under TYPE_CHECKING, annotations only, not)."""
     rooms = {room for layer in ROOMS for room in layer}
     found = []
-    for path in _sources(ROOT / "pipetrain"):
-        here = path.relative_to(ROOT / "pipetrain").parts[0]
-        if here not in rooms:
+    for item in imports(("pipetrain",)):
+        here, there = item.source.split("."), item.target.split(".")
+        if len(here) < 3 or here[1] not in rooms:
             continue
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            else:
-                continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "pipetrain" and len(parts) > 1 and parts[1] in rooms - {here}:
-                    found.append((here, parts[1], str(path.relative_to(ROOT))))
+        if there[0] == "pipetrain" and len(there) > 1 and there[1] in rooms - {here[1]}:
+            found.append((here[1], there[1], item.file))
     return found
+
+
+def circles() -> list[list[str]]:
+    """The import circles among the modules of pipetrain, partitioner and schedules, each a
+    list of modules that import one another (directly or round about), counting imports in
+    functions: Tarjan's strongly connected components of more than one module, or of one
+    that imports itself."""
+    graph: dict[str, set[str]] = {}
+    for item in imports():
+        graph.setdefault(item.source, set())
+    for item in imports():
+        if item.target in graph:
+            graph[item.source].add(item.target)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            component = [stack.pop()]
+            while component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return sorted(found)
 
 
 def back_arrows() -> list[str]:
@@ -174,9 +268,13 @@ def main() -> None:
     for count, name in constructors()[:5]:
         print(f"| {name} | {count} |")
     arrows = back_arrows()
-    print(f"\nimports between rooms: {len(room_imports())}, running back up: {len(arrows)}")
+    deferred = sum(item.deferred for item in imports())
+    print(f"\nimports between rooms: {len(room_imports())}, running back up: {len(arrows)}; "
+          f"imports in functions: {deferred}; import circles: {len(circles())}")
     for arrow in arrows:
         print(f"  {arrow}")
+    for circle in circles():
+        print(f"  circle: {' <-> '.join(circle)}")
     events = walk()
     path, returns = _walk_summary(events)
     print("\nthe walk of a training step (files on the stack at each event):")

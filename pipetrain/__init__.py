@@ -16,8 +16,8 @@ from pipetrain.errors import (
 from pipetrain.observe.progress import Progress
 from pipetrain.runtime.distributed import init_distributed, shutdown
 from pipetrain.runtime.pipeline import Pipeline
+from pipetrain.runtime.train_task import TrainTask
 from pipetrain.tools.meta_profile import profile
-from pipetrain.tools.task import TrainTask
 from pipetrain.training.compensation import DelayCompensation
 from pipetrain.training.lazy import init_layers
 from pipetrain.training.weights import PredictionError

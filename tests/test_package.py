@@ -16,7 +16,7 @@ from types import FunctionType
 from setuptools.config.pyprojecttoml import read_configuration
 
 import pipetrain
-from benchmarks.code_shape import ROOMS, back_arrows, room_imports
+from benchmarks.code_shape import ROOMS, back_arrows, circles, imports, room_imports
 from pipetrain.observe import progress
 from pipetrain.tools.cli import main
 
@@ -96,14 +96,39 @@ def test_the_tree_groups_every_module():
 
 def test_the_rooms_of_pipetrain_only_point_down():
     """pipetrain's subpackages form layers (ROOMS, lowest first): a module imports, at module
-    level, only rooms of lower layers, so no import runs back up and no two rooms need each
-    other. observe and training share the lowest layer and import neither each other."""
+    level or inside a function, only rooms of lower layers, so no import runs back up and no
+    two rooms need each other. observe and training share the lowest layer and import neither
+    each other. (An import under ``if TYPE_CHECKING:`` never runs and is not counted.)"""
     layer = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
     assert room_imports(), "no import between rooms found: the parse is broken"
+    assert any(item.deferred for item in imports()), "no import in a function found"
     up = back_arrows()
     assert not up, up
     groups = {p.name for p in (ROOT / "pipetrain").iterdir() if (p / "__init__.py").exists()}
     assert groups == set(layer)
+
+
+def test_no_import_circle_between_modules():
+    """No two modules of pipetrain, partitioner and schedules import each other, directly or
+    round about, counting imports inside functions: a function-level import once hid
+    checkpoints/weightfile.py <-> hf/load.py."""
+    assert not circles(), circles()
+
+
+OPTIONAL = {  # optional dependencies -> the modules that may import them, inside functions only
+    "matplotlib": {"pipetrain/observe/gantt.py"},  # pictures: `pipetrain trace`, simulate --png
+    "transformers": {"pipetrain/hf/sequential.py"},  # the `hf` extra
+}
+
+
+def test_optional_dependencies_are_imported_only_where_listed_and_only_when_used():
+    """An optional dependency is imported inside a function of the module OPTIONAL allows,
+    so that `import pipetrain` (and any other module) works without it installed."""
+    found = {(item.target.split(".")[0], item.file, item.deferred) for item in imports()
+             if item.target.split(".")[0] in OPTIONAL}
+    assert {(name, file) for name, file, _ in found} == {
+        (name, file) for name, files in OPTIONAL.items() for file in files}
+    assert all(deferred for _, _, deferred in found), sorted(found)
 
 
 def _minor_versions(spec: str) -> list[str]:

@@ -25,7 +25,7 @@ from pipetrain.hf.sequential import (
     sequential,
     transformers_module,
 )
-from pipetrain.tools.task import TrainTask
+from pipetrain.runtime.train_task import TrainTask
 
 
 def build_model(source: str | os.PathLike[str]) -> Any:

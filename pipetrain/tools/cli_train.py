@@ -1,6 +1,6 @@
 """``pipetrain train MODULE:FUNCTION --plan plan.json --steps N``: train a user's model.
 
-FUNCTION returns a :class:`pipetrain.tools.task.TrainTask`. Started from a shell, the command
+FUNCTION returns a :class:`pipetrain.TrainTask`. Started from a shell, the command
 launches torchrun on this machine with one process per rank of the plan (``--nproc`` for more:
 replicas) and the same arguments; under torchrun (a rank, e.g. ``torchrun --nnodes=2 ... -m
 pipetrain train ...`` on a cluster) it trains. torch is imported only when the command runs.

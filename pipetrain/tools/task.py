@@ -1,17 +1,5 @@
-"""What ``pipetrain train`` trains, and its training loop on one rank.
-
-A user's module holds a function that returns a :class:`TrainTask`: the model the plan was
-made for, the loss, the optimizer factory and the batch of every step::
-
-    def task() -> pipetrain.TrainTask:
-        torch.manual_seed(0)                      # every rank builds the same model
-        model = nn.Sequential(...)
-        def batch(step):                          # the mini-batch of step 0, 1, ...
-            generator = torch.Generator().manual_seed(step)
-            x = torch.randn(64, 32, generator=generator)
-            return x, (x.sum(1) > 0).long()
-        return pipetrain.TrainTask(model, nn.functional.cross_entropy,
-                                   lambda params: torch.optim.SGD(params, lr=0.1), batch)
+"""``pipetrain train``'s training loop on one rank, of a :class:`TrainTask`
+(pipetrain/runtime/train_task.py: what a user's function returns).
 
 ``pipetrain train mymodule:task --plan plan.json --steps 100`` starts one process per rank,
 calls it in each, and trains with the plan's split, schedule and micro-batches.
@@ -20,52 +8,15 @@ calls it in each, and trains with the plan's split, schedule and micro-batches.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
+from dataclasses import dataclass
 
 from partitioner import Plan
 from pipetrain.checkpoints.restart import start_or_resume
 from pipetrain.runtime.microbatch import Batch, batch_size
 from pipetrain.runtime.pipeline import Pipeline
-from pipetrain.runtime.stage import LossFn, OptimizerFactory
+from pipetrain.runtime.train_task import TrainTask
 
-RESERVED = ("balance", "plan", "chunks", "loss_fn", "optimizer", "replicas", "devices", "group",
-            "checkpoint_dir", "checkpoint_every")  # Pipeline options the command sets itself
-
-
-@dataclass(frozen=True)
-class TrainTask:
-    """A model and how to train it, as ``pipetrain train MODULE:FUNCTION`` takes it.
-
-    ``model``: the nn.Sequential the plan was made for, built the same on every rank (seed
-    first). ``loss_fn(output, target)``: a mean loss. ``optimizer``: a factory of an optimizer
-    over a list of parameters (each stage builds its own). ``batch(step)``: the (inputs,
-    targets) mini-batch of step 0, 1, ...: the same on every rank, the whole step's (each
-    replica takes an equal share), its size the plan's micro-batch size x micro-batches x
-    replicas. A function of the step, so that a resumed run trains on the batches of an
-    uninterrupted one. ``options``: further Pipeline arguments (precision, clip_grad_norm,
-    lr_scheduler, timeout, ...)."""
-
-    model: nn.Sequential
-    loss_fn: LossFn
-    optimizer: OptimizerFactory
-    batch: Callable[[int], tuple[Batch, Batch]]
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, nn.Sequential):
-            raise TypeError(f"TrainTask.model must be an nn.Sequential, got "
-                            f"{type(self.model).__name__}")
-        if not callable(self.batch):
-            raise TypeError("TrainTask.batch must be a function of the step returning "
-                            "(inputs, targets)")
-        taken = sorted(set(self.options) & set(RESERVED))
-        if taken:
-            raise ValueError(f"TrainTask.options may not set {taken}: the plan and the command "
-                             "line decide them (the loss and optimizer are fields of their own)")
+__all__ = ["Run", "TrainTask", "check_batch", "train", "under_torchrun"]
 
 
 @dataclass(frozen=True)
