@@ -369,7 +369,7 @@ def _predictions(profile, balance: list[int], opts: dict, res: dict) -> tuple[fl
 
 def _pipedream_tables(args: argparse.Namespace) -> str:
     from partitioner import load_pipedream, plan, simulate_split
-    from pipetrain.tools.cli import describe_plan
+    from pipetrain.tools.cli_plan import describe_plan
 
     out = []
     for name, batch in (("vgg16", None), ("gnmt", 64)):

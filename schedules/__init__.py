@@ -21,6 +21,7 @@ from schedules.generators import (
     zero_bubble_h2,
 )
 from schedules.registry import (
+    DEFAULT_SCHEDULE,
     GENERATORS,
     ScheduleSpec,
     build,
@@ -35,6 +36,7 @@ from schedules.timeline import Span, bubble_fraction
 from schedules.validate import validate
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "GENERATORS",
     "Action",
     "Kind",

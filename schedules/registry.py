@@ -17,6 +17,10 @@ from schedules.asynchronous import pipedream, pipedream_2bw, unroll
 from schedules.generators import gpipe, interleaved, one_f_one_b, zero_bubble_h1, zero_bubble_h2
 from schedules.validate import validate
 
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule a Pipeline, a plan and a simulation use when none is named: the only place
+that says so."""
+
 RECOMPUTE_MODES = ("never", "except_last", "always")  # torchgpipe's activation checkpointing
 
 

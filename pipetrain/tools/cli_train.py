@@ -3,26 +3,26 @@
 FUNCTION returns a :class:`pipetrain.TrainTask`. Started from a shell, the command
 launches torchrun on this machine with one process per rank of the plan (``--nproc`` for more:
 replicas) and the same arguments; under torchrun (a rank, e.g. ``torchrun --nnodes=2 ... -m
-pipetrain train ...`` on a cluster) it trains. torch is imported only when the command runs.
+pipetrain train ...`` on a cluster) it trains.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from partitioner import Plan
+from pipetrain.checkpoints.restart import check_start
+from pipetrain.runtime.distributed import init_distributed, shutdown
+from pipetrain.runtime.planning import load_plan
+from pipetrain.tools.cli_common import import_factory, json_kwargs
+from pipetrain.tools.task import Run, TrainTask, check_batch, train, under_torchrun
 
-ImportFactory = Callable[[str], Callable[..., Any]]
 
-
-def add_train_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], import_factory: ImportFactory
-) -> None:
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``pipetrain train``: its arguments."""
     p = sub.add_parser(
         "train",
@@ -51,7 +51,7 @@ def add_train_command(
                    "multiple of them adds replicas)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts after a failure (resuming from --checkpoint-dir)")
-    p.set_defaults(run=lambda args: cmd_train(args, import_factory))
+    p.set_defaults(run=cmd_train)
 
 
 def _check(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
@@ -70,32 +70,14 @@ def _check(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     return Plan.load(args.plan), json_kwargs(args.kwargs)
 
 
-def json_kwargs(text: str) -> dict[str, Any]:
-    """``--kwargs``: a JSON object of keyword arguments; a ValueError naming what is wrong."""
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--kwargs is not valid JSON: {error}") from None
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"--kwargs must be a JSON object, got {text!r}")
-    return kwargs
-
-
-def cmd_train(args: argparse.Namespace, import_factory: ImportFactory) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     plan, kwargs = _check(args)
     factory = import_factory(args.task)
-    from pipetrain.tools.task import under_torchrun
-
     if not under_torchrun():
         _task(args.task, factory, kwargs, plan, args.nproc or plan.pipeline_ranks)
         if args.checkpoint_dir is not None:  # an earlier run's checkpoints: refused here
-            from pipetrain.checkpoints.restart import check_start
-
             check_start(args.checkpoint_dir, args.resume, args.fresh)
         return _launch(args, plan)
-    from pipetrain.runtime.distributed import init_distributed, shutdown
-    from pipetrain.tools.task import Run, train
-
     rank, world = init_distributed()
     task = _task(args.task, factory, kwargs, plan, world)
     run = Run(args.steps, args.checkpoint_dir, args.checkpoint_every, args.resume,
@@ -112,9 +94,6 @@ def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan
           world: int) -> Any:
     """FUNCTION's TrainTask, checked against the plan (its model's layers, the size of step 0's
     batch for ``world`` ranks): the launcher checks it before any process starts."""
-    from pipetrain.runtime.planning import load_plan
-    from pipetrain.tools.task import TrainTask, check_batch
-
     task = factory(**kwargs)
     if not isinstance(task, TrainTask):
         raise ValueError(

@@ -1,0 +1,128 @@
+"""``pipetrain plan PROFILE --stages S --microbatches M``: split a profiled model into stages.
+
+The planner (``partitioner.plan``) finds the split; this module reads the command line and
+prints the plan with what its prediction assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from partitioner import InfeasibleError, Plan, format_bytes, plan
+from pipetrain.tools.cli_common import (
+    UsageError,
+    add_planning_options,
+    bytes_arg,
+    host,
+    load_profile,
+    save,
+)
+from schedules import DEFAULT_SCHEDULE, lookup, names
+
+
+def describe_plan(plan: Plan) -> str:
+    """The plan as printed by ``pipetrain plan``: a summary line and :meth:`Plan.table`."""
+    layers = sum(plan.balance)
+    recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
+    said = f"recomputing on stages {recomputing}" if recomputing else "no stage recomputes"
+    head = (
+        f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
+        f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
+        f"{plan.checkpoint} ({said}), solver "
+        f"{plan.solver}; profiled on {plan.device}"
+    )
+    return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
+
+
+def schedule_notes(plan: Plan) -> list[str]:
+    """What the prediction assumed of the plan's schedule beyond the profile."""
+    notes = []
+    if plan.pipeline_ranks < plan.stages:
+        notes.append(
+            f"{plan.schedule} runs the {plan.stages} stages on {plan.pipeline_ranks} ranks, "
+            f"{plan.stages // plan.pipeline_ranks} virtual stages per rank (stage s on rank "
+            f"s mod {plan.pipeline_ranks}); train with {plan.pipeline_ranks} devices"
+        )
+    if lookup(plan.schedule).split_backward:
+        notes.append(
+            f"{plan.schedule} splits each backward into B (input gradient) and W (weight "
+            "gradient); the profile times only the whole backward, so W is taken as half of it "
+            "for layers with parameters and 0 for the rest (the zero-bubble paper's B = W)"
+        )
+    return notes
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile, args.batch_size)
+    on = host(args)
+    try:
+        result = plan(
+            profile,
+            stages=args.stages,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            memory=args.memory,
+            bandwidth=args.bandwidth,
+            devices=args.devices,
+            checkpoint=args.checkpoint,
+            microbatch_size=args.microbatch_size,
+            solver=args.solver,
+            cores=on.cores,
+            overhead=on.overhead,
+            virtual_stages=args.virtual_stages,
+            zero=args.zero,
+        )
+    except InfeasibleError as error:
+        message = " ".join(error.for_command_line().split())
+        if error.smallest_cap is not None:
+            cap = error.smallest_cap
+            message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
+        raise UsageError(f"infeasible: {message}") from None
+    print(describe_plan(result))
+    if args.zero and any(len(stage.ranks) > 1 for stage in result.per_stage):
+        print(f"memory: each replicated stage's share of what zero={args.zero} shards over its "
+              f"replicas; train with Pipeline(..., zero={args.zero})")
+    if args.output:
+        save(result.to_json(), args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``pipetrain plan``: its arguments."""
+    p = sub.add_parser(
+        "plan",
+        help="split a profiled model into pipeline stages",
+        description="Find the split with the least bottleneck under the memory cap and print "
+        "its predicted step. PROFILE: a JSON from `pipetrain profile`, a PipeDream graph.txt, "
+        "or pipedream:NAME for a bundled one (alexnet, vgg16, gnmt, resnet50, ...).",
+    )
+    p.add_argument("profile")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=names())
+    p.add_argument("--memory", type=bytes_arg, help="per device, e.g. 16GiB")
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="devices in all (more than --stages replicates stages in data parallel)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="what each replicated stage shards over its replicas, as Pipeline(zero=): 1 the "
+        "optimizer state, 2 also the gradients, 3 also the weights (default 0: nothing)",
+    )
+    p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        choices=["never", "auto", "always"],
+        help="activation recomputation: auto (default) recomputes on the stages whose memory "
+        "cap needs it, always on every stage, never on none",
+    )
+    add_planning_options(p)
+    p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.set_defaults(run=cmd_plan)
