@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from pipetrain.runtime.executor import tag
+from pipetrain.runtime.boundary import tag
 from pipetrain.runtime.meta import HEADER_LEN, MAX_TENSORS, describe, encode
 from pipetrain.runtime.tags import (
     BREAK_TAG,
