@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.profile import Profile
-from schedules import Schedule, build, lookup
+from schedules import DEFAULT_SCHEDULE, Schedule, build, lookup
 from schedules import inflight as schedule_inflight
 
 CHECKPOINT = ("never", "auto", "always")
@@ -264,7 +264,7 @@ def problem_from_profile(
     stages: int,
     microbatches: int,
     microbatch_size: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     checkpoint: str = "never",
     virtual_stages: int = 2,
     speed: Sequence[float] | None = None,

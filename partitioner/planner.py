@@ -22,7 +22,8 @@ from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
 from partitioner.topology import chain_order, is_uniform, link_bandwidths, memory_of, speed_of
 from partitioner.units import parse_bandwidth, parse_bytes
-from schedules import Simulation, lookup, simulate
+from schedules import DEFAULT_SCHEDULE, Simulation, lookup, simulate
+from schedules.registry import fewer_in_flight
 
 SOLVERS = ("auto", "dp", "ilp")
 
@@ -36,7 +37,7 @@ def plan(
     *,
     stages: int,
     microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     memory: int | str | None = None,
     bandwidth: float | str | None = None,
     devices: int | nx.Graph | None = None,
@@ -149,10 +150,11 @@ def _remedies(problem: Problem, schedule: str, checkpoint: str, memory: bool) ->
     found = [Remedy("a larger memory cap", "a larger --memory")]
     if problem.stages < problem.layers:
         found.append(Remedy("more stages", "a larger --stages"))
-    if schedule == "gpipe":
+    lighter = fewer_in_flight(schedule, problem.stages, problem.microbatches)
+    if lighter is not None:
         found.append(Remedy(
-            "schedule='1f1b' (fewer micro-batches in flight)",
-            "--schedule 1f1b (fewer micro-batches in flight)",
+            f"schedule={lighter!r} (fewer micro-batches in flight)",
+            f"--schedule {lighter} (fewer micro-batches in flight)",
         ))
     if checkpoint == "never":
         found.append(Remedy(
@@ -313,7 +315,7 @@ def stage_costs(
     balance: Sequence[int],
     *,
     microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     microbatch_size: int | None = None,
     checkpoint: str = "never",
     bandwidth: float | str | None = None,
@@ -345,7 +347,7 @@ def simulate_split(
     balance: Sequence[int],
     *,
     microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     microbatch_size: int | None = None,
     checkpoint: str = "never",
     bandwidth: float | str | None = None,

@@ -190,6 +190,21 @@ def inflight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(rule(s, schedule.stages, schedule.microbatches) for s in range(schedule.stages))
 
 
+def fewer_in_flight(name: str, stages: int, microbatches: int) -> str | None:
+    """The default schedule where it holds fewer micro-batches' activations at once than the
+    synchronous, one-stage-per-rank schedule ``name`` at this size (the way out that a plan
+    short of memory offers, e.g. from "gpipe"); else None."""
+    spec = lookup(name)
+    if name == DEFAULT_SCHEDULE or spec.asynchronous or spec.multi_stage_per_rank:
+        return None
+    try:
+        theirs = inflight(build(name, stages, microbatches))
+        ours = inflight(build(DEFAULT_SCHEDULE, stages, microbatches))
+    except ValueError:  # a size one of them refuses
+        return None
+    return DEFAULT_SCHEDULE if max(ours) < max(theirs) else None
+
+
 def counted_inflight(schedule: Schedule) -> tuple[int, ...]:
     """:func:`inflight` counted along the lists, whatever the entry states."""
     if schedule.asynchronous:

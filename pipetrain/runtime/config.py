@@ -25,7 +25,7 @@ from pipetrain.runtime.planning import load_plan
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.training.compensation import AUTO, DelayCompensation
 from pipetrain.training.precision import autocast_dtype
-from schedules import lookup, names
+from schedules import DEFAULT_SCHEDULE, lookup, names
 from schedules.registry import recompute_below
 
 
@@ -144,7 +144,7 @@ class PipelineConfig:
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
         values["chunks"] = values["chunks"] or 1
-        schedule = values["schedule"] = values["schedule"] or "1f1b"
+        schedule = values["schedule"] = values["schedule"] or DEFAULT_SCHEDULE
         spec = lookup(schedule)
         if not spec.runnable:
             raise ValueError(

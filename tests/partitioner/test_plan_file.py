@@ -204,3 +204,14 @@ def test_one_except_clause_catches_every_planner_error() -> None:
             fail()
         assert isinstance(info.value, ValueError)
         assert type(info.value) is not PlannerError  # the specific kind, for a specific clause
+
+
+def test_a_gpipe_plan_short_of_memory_offers_the_default_schedule() -> None:
+    profile = _profile(8)
+    free = plan(profile, stages=3, microbatches=4, schedule="gpipe", checkpoint="never")
+    least = min(s.memory_bytes for s in free.per_stage)
+    with pytest.raises(InfeasibleError) as error:
+        plan(profile, stages=3, microbatches=4, schedule="gpipe", checkpoint="never",
+             memory=least // 4)
+    assert "schedule='1f1b' (fewer micro-batches in flight)" in str(error.value)
+    assert "--schedule 1f1b" in error.value.for_command_line()

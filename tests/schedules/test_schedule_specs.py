@@ -8,7 +8,7 @@ import pytest
 
 from partitioner.costs import inflight as planned_inflight
 from schedules import GENERATORS, build, inflight, lookup, names, register
-from schedules.registry import check_spec, counted_inflight
+from schedules.registry import check_spec, counted_inflight, fewer_in_flight
 
 
 @pytest.mark.parametrize("name", names())
@@ -80,3 +80,19 @@ def test_the_planner_counts_pipedreams_micro_batches_across_calls():
     assert planned_inflight("gpipe", 3, 5) == [5, 5, 5]
     assert planned_inflight("1f1b", 3, 5) == [3, 2, 1]
 
+
+
+@pytest.mark.parametrize(
+    "name, stages, microbatches, lighter",
+    [
+        ("gpipe", 3, 4, "1f1b"),  # GPipe holds all 4 micro-batches, 1F1B at most 3
+        ("gpipe", 4, 2, None),  # 2 micro-batches: both hold 2
+        ("1f1b", 3, 4, None),  # the default itself
+        ("zb-h1", 3, 4, None),  # holds as many as 1F1B
+        ("pipedream", 3, 4, None),  # asynchronous: 1F1B is another kind of training
+    ],
+)
+def test_the_schedule_holding_fewer_micro_batches_is_found_in_the_registry(
+    name, stages, microbatches, lighter
+):
+    assert fewer_in_flight(name, stages, microbatches) == lighter
