@@ -1,7 +1,8 @@
-"""The shape of the code, as issue 39 asks it measured: lines per room, the longest
-constructors, imports between pipetrain's rooms that run back up, and the walk of one training
-step (the pipetrain files on the stack at each point where the step touches ``x`` or the
-weights, from ``Pipeline.train_step`` down).
+"""The shape of the code, as issues 39 and 46 ask it measured: lines per room, the longest
+constructors and modules, the functions over LONGEST_FUNCTION lines, comparisons with a
+schedule's name outside its registry entry, imports between pipetrain's rooms that run back up
+and import circles, and the walk of one training step (the pipetrain files on the stack at each
+point where the step touches ``x`` or the weights, from ``Pipeline.train_step`` down).
 
     python benchmarks/code_shape.py
 
@@ -60,6 +61,55 @@ def constructors(folder: str = "pipetrain") -> list[tuple[int, str]]:
 
 
 PACKAGES = ("pipetrain", "partitioner", "schedules")
+LONGEST_FUNCTION = 80  # lines: issue 46's limit on a function (docstring and signature too)
+
+
+def long_functions(limit: int = LONGEST_FUNCTION) -> list[tuple[int, str]]:
+    """(lines, "file:function") of every function of pipetrain, partitioner and schedules
+    longer than ``limit`` lines, longest first."""
+    found = []
+    for path in (p for package in PACKAGES for p in _sources(ROOT / package)):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    found.append((lines, f"{path.relative_to(ROOT)}:{node.name}"))
+    return sorted(found, reverse=True)
+
+
+def longest_modules(count: int = 5) -> list[tuple[int, str]]:
+    """(lines, file) of the ``count`` longest modules of pipetrain, partitioner and schedules."""
+    found = [(len(path.read_text().splitlines()), str(path.relative_to(ROOT)))
+             for package in PACKAGES for path in _sources(ROOT / package)]
+    return sorted(found, reverse=True)[:count]
+
+
+def _names_a_schedule(node: ast.AST, schedules: set[str]) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in schedules
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_schedule(item, schedules) for item in node.elts)
+    return False
+
+
+def schedule_name_comparisons() -> list[str]:
+    """"file:line: comparison" for each comparison with a registered schedule's name (or a
+    collection of them) outside schedules/registry.py, the one place that may ask which
+    schedule it is: elsewhere the entry's properties say what a schedule does."""
+    registry = ROOT / "schedules" / "registry.py"
+    names = set(ast.literal_eval(node.args[0]) for node in ast.walk(ast.parse(
+        registry.read_text())) if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "ScheduleSpec" and node.args)
+    found = []
+    for path in (p for package in PACKAGES for p in _sources(ROOT / package)):
+        if path == registry:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                _names_a_schedule(side, names) for side in (node.left, *node.comparators)
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -267,6 +317,17 @@ def main() -> None:
     print("\n| constructor (pipetrain/) | parameters |\n|---|---:|")
     for count, name in constructors()[:5]:
         print(f"| {name} | {count} |")
+    print("\n| longest module | lines |\n|---|---:|")
+    for count, name in longest_modules():
+        print(f"| {name} | {count} |")
+    long = long_functions()
+    print(f"\nfunctions over {LONGEST_FUNCTION} lines: {len(long)}")
+    for count, name in long:
+        print(f"  {name}: {count}")
+    compared = schedule_name_comparisons()
+    print(f"schedule-name comparisons outside the registry: {len(compared)}")
+    for where in compared:
+        print(f"  {where}")
     arrows = back_arrows()
     deferred = sum(item.deferred for item in imports())
     print(f"\nimports between rooms: {len(room_imports())}, running back up: {len(arrows)}; "

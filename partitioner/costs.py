@@ -163,6 +163,34 @@ def _cut_arrays(
     return cuts.astype(np.int64), ok
 
 
+def _stage_resources(
+    stages: int,
+    inflight: Sequence[int] | None,
+    memory: int | None | Sequence[int | None],
+    bandwidth: float | Sequence[float],
+    speed: Sequence[float] | None,
+    devices: int | None,
+) -> tuple[list[int], list[int | None], list[float], list[float], int]:
+    """:func:`make_problem`'s per-stage resources, one value each (one per link for the
+    bandwidths; a value given once applies to all), and the device count, checked."""
+    flight = [1] * stages if inflight is None else [int(k) for k in inflight]
+    mem = list(memory) if isinstance(memory, Sequence) else [memory] * stages
+    bw = (
+        [float(bandwidth)] * (stages - 1) if isinstance(bandwidth, int | float) else list(bandwidth)
+    )
+    spd = [1.0] * stages if speed is None else [float(v) for v in speed]
+    if not len(flight) == len(mem) == len(spd) == stages or len(bw) != stages - 1:
+        raise ValueError(f"per-stage inputs need {stages} values ({stages - 1} for links)")
+    if any(v <= 0 for v in spd) or any(b <= 0 for b in bw):
+        raise ValueError("speeds and bandwidths must be > 0")
+    count = stages if devices is None else devices
+    if count < stages:
+        raise ValueError(f"{stages} stages need at least {stages} devices, got {count}")
+    if count > stages and not (len(set(spd)) == 1 and len(set(mem)) == 1 and len(set(bw)) <= 1):
+        raise ValueError("replicating stages needs identical devices and links")
+    return flight, mem, bw, spd, count
+
+
 def make_problem(
     forward: Values,
     backward: Values | None = None,
@@ -211,21 +239,9 @@ def make_problem(
     cuts, ok = _cut_arrays(cut_bytes, allowed, n)
     if microbatches < 1:
         raise ValueError(f"a step needs at least one micro-batch, got {microbatches}")
-    flight = [1] * stages if inflight is None else [int(k) for k in inflight]
-    mem = list(memory) if isinstance(memory, Sequence) else [memory] * stages
-    bw = (
-        [float(bandwidth)] * (stages - 1) if isinstance(bandwidth, int | float) else list(bandwidth)
+    flight, mem, bw, spd, count = _stage_resources(
+        stages, inflight, memory, bandwidth, speed, devices
     )
-    spd = [1.0] * stages if speed is None else [float(v) for v in speed]
-    if not len(flight) == len(mem) == len(spd) == stages or len(bw) != stages - 1:
-        raise ValueError(f"per-stage inputs need {stages} values ({stages - 1} for links)")
-    if any(v <= 0 for v in spd) or any(b <= 0 for b in bw):
-        raise ValueError("speeds and bandwidths must be > 0")
-    count = stages if devices is None else devices
-    if count < stages:
-        raise ValueError(f"{stages} stages need at least {stages} devices, got {count}")
-    if count > stages and not (len(set(spd)) == 1 and len(set(mem)) == 1 and len(set(bw)) <= 1):
-        raise ValueError("replicating stages needs identical devices and links")
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
     return Problem(

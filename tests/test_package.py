@@ -16,7 +16,16 @@ from types import FunctionType
 from setuptools.config.pyprojecttoml import read_configuration
 
 import pipetrain
-from benchmarks.code_shape import ROOMS, back_arrows, circles, imports, room_imports
+from benchmarks.code_shape import (
+    LONGEST_FUNCTION,
+    ROOMS,
+    back_arrows,
+    circles,
+    imports,
+    long_functions,
+    room_imports,
+    schedule_name_comparisons,
+)
 from pipetrain.observe import progress
 from pipetrain.tools.cli import main
 
@@ -113,6 +122,21 @@ def test_no_import_circle_between_modules():
     round about, counting imports inside functions: a function-level import once hid
     checkpoints/weightfile.py <-> hf/load.py."""
     assert not circles(), circles()
+
+
+def test_no_function_is_longer_than_eighty_lines():
+    """A function the next engineer reads in one go: none of pipetrain, partitioner and
+    schedules runs over LONGEST_FUNCTION lines (docstring included); split a longer one by
+    the steps it takes."""
+    assert long_functions(10), "no function over 10 lines found: the parse is broken"
+    assert not long_functions(LONGEST_FUNCTION), long_functions(LONGEST_FUNCTION)
+
+
+def test_only_the_registry_asks_which_schedule_it_is():
+    """Code outside schedules/registry.py reads a schedule's properties from its entry and
+    never compares its name with a registered one (``schedule == "gpipe"``), so that a new
+    schedule is one entry; schedules.DEFAULT_SCHEDULE names the default."""
+    assert not schedule_name_comparisons(), schedule_name_comparisons()
 
 
 OPTIONAL = {  # optional dependencies -> the modules that may import them, inside functions only
