@@ -46,8 +46,8 @@ from timing import rotation
 
 PLAIN = dict(weight_prediction=None, delay_compensation=None)  # not the default's remedies
 VARIANTS = {
-    "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
-    "sync-micro": dict(schedule="1f1b", checkpoint="never", chunks=1),
+    "sync-1f1b": dict(schedule="1f1b", recompute="never"),
+    "sync-micro": dict(schedule="1f1b", recompute="never", chunks=1),
     "async-stale": dict(PLAIN, schedule="pipedream", weight_stashing=False),
     "async-stash": dict(PLAIN, schedule="pipedream"),
     "async-predict": dict(PLAIN, schedule="pipedream", weight_prediction="momentum"),
@@ -186,7 +186,7 @@ def accuracy_part(lrs: list[float], seeds: int, epochs: int, png: str) -> None:
 # -- throughput ---------------------------------------------------------------------------------
 
 THROUGHPUT = {
-    "sync-1f1b": dict(schedule="1f1b", checkpoint="never"),
+    "sync-1f1b": dict(schedule="1f1b", recompute="never"),
     "pipedream": dict(schedule="pipedream"),
     "2bw": dict(schedule="pipedream-2bw"),
 }

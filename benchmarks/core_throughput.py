@@ -6,7 +6,7 @@ loss; one torch thread per rank; two processes joined by gloo, started by this s
 
 Variants, measured side by side in one run, round-robin (the order rotates every round):
 
-  pipetrain-1f1b / pipetrain-gpipe   pipetrain.Pipeline(..., schedule=...), checkpoint="never"
+  pipetrain-1f1b / pipetrain-gpipe   pipetrain.Pipeline(..., schedule=...), recompute="never"
   pipetrain-1f1b-traced              the same 1F1B with tracing on (Pipeline(trace=tmpdir))
   torch-1f1b / torch-gpipe           torch.distributed.pipelining Schedule1F1B / ScheduleGPipe
                                      on PipelineStage (manual split, same halves, same loss)
@@ -114,7 +114,7 @@ class _PipetrainVariant(_Variant):
             [2 * BLOCKS // STAGES] * STAGES,
             chunks=CHUNKS,
             schedule=schedule,
-            checkpoint="never",
+            recompute="never",
             loss_fn=_mse,
             optimizer=_sgd,
             timeout=timeout,

@@ -40,7 +40,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
                             world_size=2, timeout=timedelta(seconds=120))
     loss, sgd = nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=1e-3)
     net = model(args.width, args.depth)
-    options = dict(chunks=args.chunks, checkpoint="never", loss_fn=loss, optimizer=sgd)
+    options = dict(chunks=args.chunks, recompute="never", loss_fn=loss, optimizer=sgd)
     replicated = pipetrain.Pipeline(net, [len(net)], replicas=2, **options)
     deferred = pipetrain.Pipeline(model(args.width, args.depth), [len(net)], replicas=2, **options)
     for sync in deferred.stages[0].syncs:

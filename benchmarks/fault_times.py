@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, case: str, pid_file: str) -> tuple[str, str, fl
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
     pipe = pipetrain.Pipeline(model, [6, 7], chunks=4, loss_fn=nn.functional.cross_entropy,
-                              optimizer=sgd, timeout=timeout, checkpoint="never")
+                              optimizer=sgd, timeout=timeout, recompute="never")
     start = time.monotonic()
     try:
         pipe.train_step(*batches(1)[0])

@@ -69,7 +69,7 @@ class _Pipetrain:
         models, _ = _imports()
         self.pipe = pipetrain.Pipeline(
             models.gpt(), BALANCE[schedule], chunks=CHUNKS, schedule=schedule,
-            checkpoint="never", loss_fn=models.lm_loss, optimizer=_adamw, timeout=300,
+            recompute="never", loss_fn=models.lm_loss, optimizer=_adamw, timeout=300,
             precision=precision, clip_grad_norm=CLIP,
         )
         self.x, self.y = x, y

@@ -8,7 +8,7 @@ so both run exactly the same micro-batches and the difference is each runtime's 
 torch's side is what its user writes: the stage under torch.autocast (the ``Autocast`` wrapper
 of benchmarks/gpt_throughput.py), ScheduleGPipe or Schedule1F1B, then
 ``torch.nn.utils.clip_grad_norm_`` and the optimizer step. pipetrain's is
-``Pipeline(devices=["cuda:0"], precision=..., clip_grad_norm=1.0)`` with checkpoint="never"
+``Pipeline(devices=["cuda:0"], precision=..., clip_grad_norm=1.0)`` with recompute="never"
 (as torch's, which does not recompute), plus the same with ``cuda_graphs=True``.
 
 Timing: one fresh process per precision builds every variant, warms each up, then runs
@@ -96,7 +96,7 @@ class _Pipetrain:
 
         self.pipe = pipetrain.Pipeline(
             setup.model(), [setup.blocks + 2], chunks=setup.chunks, schedule=schedule,
-            checkpoint=checkpoint, loss_fn=_loss, optimizer=_adamw, devices=[setup.device],
+            recompute=checkpoint, loss_fn=_loss, optimizer=_adamw, devices=[setup.device],
             precision=precision, clip_grad_norm=setup.clip, cuda_graphs=graphs,
         )
 

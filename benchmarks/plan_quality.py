@@ -154,7 +154,7 @@ def _runtime_overhead(world: int, opts: dict) -> float:
         [1] * world,
         chunks=m,
         schedule="1f1b",
-        checkpoint="never",
+        recompute="never",
         loss_fn=lambda output, target: (output - target).pow(2).mean(),
         optimizer=_adam,
         timeout=opts["timeout"],
@@ -249,7 +249,7 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
             balance,
             chunks=opts["microbatches"],
             schedule="1f1b",
-            checkpoint="never",
+            recompute="never",
             **common,
         )
 

@@ -2,7 +2,7 @@
 against torch.distributed.pipelining's interleaved schedules, on 2 and 4 CPU ranks.
 
 Model: 16 blocks of Linear(512, 512) + ReLU (32 layers), batch 128 in 8 micro-batches, MSE loss,
-SGD, checkpoint="never", one torch thread per rank, each rank pinned to its share of the
+SGD, recompute="never", one torch thread per rank, each rank pinned to its share of the
 cores before gloo starts (pipetrain.runtime.distributed.pin_to_cores, as
 init_distributed(pin_cores=True) does; --no-pin leaves placement to the OS), ranks joined by gloo
 (started here).
@@ -96,7 +96,7 @@ class _Pipetrain:
         stages = ranks * (2 if schedule == "interleaved" else 1)
         self.pipe = pipetrain.Pipeline(
             linear_model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
-            checkpoint="never", loss_fn=mse, optimizer=_sgd, timeout=120, trace=trace,
+            recompute="never", loss_fn=mse, optimizer=_sgd, timeout=120, trace=trace,
         )
         self.x, self.y = x, y
 

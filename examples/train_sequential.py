@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    parser.add_argument("--checkpoint", default=None, choices=["never", "except_last", "always"],
+    parser.add_argument("--recompute", default=None, choices=["never", "except_last", "always"],
                         help="activation recomputation (default: what the schedule needs, "
                         "except_last under gpipe, never under 1f1b)")
     args = parser.parse_args()
@@ -42,7 +42,7 @@ def main() -> None:
         balance,
         chunks=args.chunks,
         schedule=args.schedule,
-        checkpoint=args.checkpoint,
+        recompute=args.recompute,
         loss_fn=nn.functional.cross_entropy,
         optimizer=lambda params: torch.optim.Adam(params, lr=3e-4),
     )

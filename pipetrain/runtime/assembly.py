@@ -104,7 +104,7 @@ def assemble(
     world.place(schedule, [stages for _, stages in ties])
     world.agree(lambda: fingerprint(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
-        checkpoint=config.checkpoint, replicas=world.placement.replicas, zero=config.zero,
+        recompute=config.recompute, replicas=world.placement.replicas, zero=config.zero,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         check_batches=config.check_batches, **source.settings(),
     ))
@@ -211,7 +211,7 @@ def _use_graphs(config: PipelineConfig, schedule: Schedule, stage: Stage) -> Non
     if not config.cuda_graphs:
         return
     reason = pipeline_refusal(
-        schedule, config.checkpoint, config.track_memory, config.deferred_batch_norm
+        schedule, config.recompute, config.track_memory, config.deferred_batch_norm
     ) or stage_refusal(stage.index, stage.device, stage.module)
     if reason is None:
         stage.use_graphs(slots_needed(schedule, stage.index), config.cuda_graphs is True)

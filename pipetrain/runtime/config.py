@@ -20,7 +20,7 @@ from torch import nn
 
 from partitioner import Plan
 from pipetrain.observe.progress import Progress
-from pipetrain.runtime.options import checked
+from pipetrain.runtime.options import checked, renamed
 from pipetrain.runtime.planning import load_plan
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.training.compensation import AUTO, DelayCompensation
@@ -57,7 +57,7 @@ class PipelineConfig:
     # the options (pipetrain/runtime/options.py), in its order, as resolved
     chunks: int
     schedule: str
-    checkpoint: str | tuple[str, ...]  # one mode for every stage, or one per stage
+    recompute: str | tuple[str, ...]  # one mode for every stage, or one per stage
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
     lr_scheduler: SchedulerFactory | None
@@ -83,14 +83,14 @@ class PipelineConfig:
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None  # the plan's micro-batch size: its times are for it
 
-    def stage_checkpoint(self, stage: int) -> str:
+    def stage_recompute(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
-        return self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[stage]
+        return self.recompute if isinstance(self.recompute, str) else self.recompute[stage]
 
     def recompute_below(self, stage: int) -> int:
         """Where ``stage``'s recomputation stops: its training micro-batches numbered below
         this keep only their inputs and recompute their forward in the backward."""
-        return recompute_below(self.stage_checkpoint(stage), self.chunks)
+        return recompute_below(self.stage_recompute(stage), self.chunks)
 
     @property
     def loss_divisor(self) -> int:
@@ -134,7 +134,7 @@ class PipelineConfig:
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``: the options
         the config holds (options.py) are taken from ``options``, the others ignored."""
-        values = checked("config", options)
+        values = checked("config", renamed(options))
         plan = values.pop("plan")
         values["planned_ranks"] = values["planned_microbatch"] = None
         if plan is not None:
@@ -154,22 +154,22 @@ class PipelineConfig:
         _check_asynchronous_options(values, spec.asynchronous)
         # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
         default = "never" if values["cuda_graphs"] else spec.checkpoint
-        values["checkpoint"] = _checkpoint_modes(values["checkpoint"] or default, len(balance))
+        values["recompute"] = _recompute_modes(values["recompute"] or default, len(balance))
         _check_step_options(values, spec.asynchronous)
         dtype = values["autocast_dtype"] = autocast_dtype(values["precision"])
         values["loss_scaling"] = dtype is torch.float16
         return cls(balance=tuple(check_balance(model, balance)), **values)
 
 
-def _checkpoint_modes(checkpoint: str | Sequence[str], stages: int) -> str | tuple[str, ...]:
-    """``checkpoint`` (its modes checked by options.py): one mode, or one per stage (a tuple
+def _recompute_modes(recompute: str | Sequence[str], stages: int) -> str | tuple[str, ...]:
+    """``recompute`` (its modes checked by options.py): one mode, or one per stage (a tuple
     unless they are all one)."""
-    if isinstance(checkpoint, str):
-        return checkpoint
-    modes = tuple(checkpoint)
+    if isinstance(recompute, str):
+        return recompute
+    modes = tuple(recompute)
     if len(modes) != stages:
         raise ValueError(
-            f"checkpoint lists {len(modes)} modes for {stages} stages; give one per stage, "
+            f"recompute lists {len(modes)} modes for {stages} stages; give one per stage, "
             "or one string for all"
         )
     return modes[0] if len(set(modes)) == 1 else modes
@@ -177,13 +177,13 @@ def _checkpoint_modes(checkpoint: str | Sequence[str], stages: int) -> str | tup
 
 def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]) -> list[int]:
     """The plan's balance (a different one is refused); its micro-batch count, schedule and
-    per-stage checkpoint modes put in ``values`` where the caller left them out, and the ranks
+    per-stage recomputation modes put in ``values`` where the caller left them out, and the ranks
     it runs the stages on when its schedule is the one in force."""
     if balance is not None and list(balance) != plan.balance:
         raise ValueError(f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one")
     values["chunks"] = plan.microbatches if values["chunks"] is None else values["chunks"]
     values["schedule"] = values["schedule"] or plan.schedule
-    values["checkpoint"] = values["checkpoint"] or plan.checkpoints
+    values["recompute"] = values["recompute"] or plan.checkpoints
     if values["schedule"] == plan.schedule:
         values["planned_ranks"] = plan.pipeline_ranks
     return plan.balance
@@ -192,13 +192,13 @@ def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]
 def _check_asynchronous_options(values: Mapping[str, Any], asynchronous: bool) -> None:
     """Recomputation is refused under the asynchronous schedules, their weight options under
     the others."""
-    schedule, checkpoint = values["schedule"], values["checkpoint"]
-    modes = [checkpoint] if checkpoint is None or isinstance(checkpoint, str) else checkpoint
+    schedule, recompute = values["schedule"], values["recompute"]
+    modes = [recompute] if recompute is None or isinstance(recompute, str) else recompute
     if asynchronous and set(modes) - {None, "never"}:
         raise ValueError(
             f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
-            f"activation recomputation (checkpoint={checkpoint!r}) would read the live "
-            "weights instead: use checkpoint='never'"
+            f"activation recomputation (recompute={recompute!r}) would read the live "
+            "weights instead: use recompute='never'"
         )
     if not asynchronous and (
         values["weight_prediction"] not in (None, AUTO) or not values["weight_stashing"]

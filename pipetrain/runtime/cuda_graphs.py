@@ -71,7 +71,7 @@ def check_mode(mode: object) -> bool | str:
 
 
 def pipeline_refusal(
-    schedule: Schedule, checkpoint: str | tuple[str, ...], track_memory: bool,
+    schedule: Schedule, recompute: str | tuple[str, ...], track_memory: bool,
     deferred_batch_norm: bool,
 ) -> str | None:
     """Why no stage of this pipeline can replay graphs (None: nothing in the way)."""
@@ -85,10 +85,10 @@ def pipeline_refusal(
             f"schedule {schedule.name!r} splits the backward into B and W passes, which "
             "make_graphed_callables captures as one"
         )
-    if checkpoint != "never":  # one mode for every stage, or one per stage
+    if recompute != "never":  # one mode for every stage, or one per stage
         return (
-            f"checkpoint={checkpoint!r} recomputes forwards inside the backward; capture needs "
-            "checkpoint='never'"
+            f"recompute={recompute!r} recomputes forwards inside the backward; capture needs "
+            "recompute='never'"
         )
     if track_memory:
         return "track_memory counts the tensors autograd saves, and a replayed graph saves none"

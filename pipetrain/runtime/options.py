@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, cast
@@ -64,24 +65,24 @@ def _chunks(chunks: object) -> object:
     return chunks
 
 
-def _checkpoint(checkpoint: object) -> object:
-    """Refuse a ``checkpoint`` that is neither a mode nor a list or tuple of modes."""
+def _recompute(recompute: object) -> object:
+    """Refuse a ``recompute`` that is neither a mode nor a list or tuple of modes."""
     modes = ", ".join(repr(m) for m in RECOMPUTE_MODES)
-    if checkpoint is None:
+    if recompute is None:
         return None
-    if not isinstance(checkpoint, str | list | tuple):
+    if not isinstance(recompute, str | list | tuple):
         raise TypeError(
-            f"checkpoint must be one of {modes} (a str) or a list of one per stage, got "
-            f"{type(checkpoint).__name__} {checkpoint!r}"
+            f"recompute must be one of {modes} (a str) or a list of one per stage, got "
+            f"{type(recompute).__name__} {recompute!r}"
         )
-    for i, mode in enumerate([checkpoint] if isinstance(checkpoint, str) else checkpoint):
-        where = "checkpoint" if isinstance(checkpoint, str) else f"checkpoint[{i}]"
+    for i, mode in enumerate([recompute] if isinstance(recompute, str) else recompute):
+        where = "recompute" if isinstance(recompute, str) else f"recompute[{i}]"
         if not isinstance(mode, str):
             raise TypeError(f"{where} must be one of {modes} (a str), got "
                             f"{type(mode).__name__} {mode!r}")
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"{where} must be one of {RECOMPUTE_MODES}, got {mode!r}")
-    return checkpoint
+    return recompute
 
 
 def _loss_fn(loss_fn: object) -> object:
@@ -172,8 +173,8 @@ OPTIONS: tuple[Option, ...] = (
            "a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``)", SPLIT),
     Option("chunks", "int | None", None, "micro-batches per mini-batch", SPLIT, _chunks),
     Option("schedule", "str | None", None, "the schedule's name in schedules/registry.py", SPLIT),
-    Option("checkpoint", "str | Sequence[str] | None", None, "activation recomputation", SPLIT,
-           _checkpoint),
+    Option("recompute", "str | Sequence[str] | None", None, "activation recomputation", SPLIT,
+           _recompute),
     Option("loss_fn", "LossFn | None", None,
            "``loss_fn(output, target)``, a scalar, on the last stage", TRAINING, _loss_fn),
     Option("optimizer", "OptimizerFactory | None", None,
@@ -243,7 +244,7 @@ class PipelineOptions(TypedDict, total=False):
     plan: str | os.PathLike[str] | Plan | None
     chunks: int | None
     schedule: str | None
-    checkpoint: str | Sequence[str] | None
+    recompute: str | Sequence[str] | None
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
     lr_scheduler: SchedulerFactory | None
@@ -269,6 +270,7 @@ class PipelineOptions(TypedDict, total=False):
     track_memory: bool
     trace: str | os.PathLike[str] | None
     progress: bool | Progress
+    checkpoint: str | Sequence[str] | None  # deprecated: RENAMED, the old name of recompute
 
 
 Init = TypeVar("Init", bound=Callable[..., None])
@@ -287,6 +289,28 @@ def with_options(init: Init) -> Init:
     ]
     cast(Any, init).__signature__ = own.replace(parameters=[*head, *keywords])
     return init
+
+
+RENAMED = {"checkpoint": "recompute"}
+"""Options renamed, old name -> new: the old name still works, with a FutureWarning, for one
+release (CHANGELOG.md says which). ``checkpoint`` was activation recomputation, beside
+``checkpoint_dir`` and ``checkpoint_every``, which save."""
+
+
+def renamed(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with each old name of RENAMED replaced by its new one, warning that the
+    old name goes; both names at once are refused."""
+    options = dict(given)
+    for old, new in RENAMED.items():
+        if old not in options:
+            continue
+        if new in options:
+            raise TypeError(f"Pipeline() got both {old}= and {new}=; {old}= is the old name "
+                            f"of {new}=: pass {new}= only")
+        warnings.warn(f"Pipeline(..., {old}=...) is now {new}=...; the old name goes in the "
+                      "next release", FutureWarning, stacklevel=3)
+        options[new] = options.pop(old)
+    return options
 
 
 def refuse_unknown(given: Mapping[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.metrics import StepMetrics
-from pipetrain.runtime.options import PipelineOptions, checked, with_options
+from pipetrain.runtime.options import RENAMED, PipelineOptions, checked, renamed, with_options
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.planning import warn_other_microbatch
 from pipetrain.runtime.rng import draw_seeds
@@ -71,7 +72,7 @@ class Pipeline:
         balance: layers per stage, e.g. ``[4, 8]``; its entries sum to ``len(model)``. Leave it
             out when ``plan`` gives it.
         plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
-            and the schedule, micro-batch count and each stage's checkpoint mode unless those
+            and the schedule, micro-batch count and each stage's recomputation mode unless those
             are passed too. A plan made for another model is refused; a first step whose
             micro-batches differ from the plan's profiled size warns once.
         chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
@@ -81,11 +82,12 @@ class Pipeline:
             stages per rank; pass as many devices or processes as ranks), "zb-h1", "zb-h2"
             (zero bubble, split backward), or the asynchronous "pipedream" and
             "pipedream-2bw", which never flush between steps (see ``weight_stashing``).
-        checkpoint: activation recomputation, "never", "except_last" or "always" (torchgpipe's
+        recompute: activation recomputation, "never", "except_last" or "always" (torchgpipe's
             modes), one for every stage or a list of one per stage (as a plan made under a
             memory cap may choose). Default: the plan's, else the schedule's entry
             ("except_last" under "gpipe", else "never"; "never" with ``cuda_graphs``). The
-            asynchronous schedules refuse recomputation.
+            asynchronous schedules refuse recomputation. Its old name ``checkpoint`` still
+            works for one release, with a FutureWarning.
         loss_fn: ``loss_fn(output, target)``, a scalar, on the last stage; the step's loss is
             its mean over the micro-batches. Without it (or ``optimizer``) the pipeline
             evaluates, and ``train_step`` refuses to run.
@@ -165,7 +167,7 @@ class Pipeline:
             bare number is refused as ambiguous).
 
     After construction, ``config`` holds every option as resolved (pipetrain/runtime/config.py),
-    ``checkpoint`` the recomputation mode in force (a tuple when stages differ), ``schedule``
+    ``recompute`` the recomputation mode in force (a tuple when stages differ), ``schedule``
     the schedule, ``stages`` this process's stages and ``step`` the steps done. ``metrics``
     holds each step's figures on every rank: "loss", "step_time", "samples_per_second",
     "stage_bubble", "stage_peak_memory" and "peak_memory" (per device of this process,
@@ -186,12 +188,13 @@ class Pipeline:
         balance: Sequence[int] | None = None,
         **options: Unpack[PipelineOptions],
     ):
+        options = renamed(options)  # type: ignore[assignment]  # old names, with a warning
         self.config = config = PipelineConfig.resolve(model, balance, **options)
         source = LayerSource(**checked("layers", options))
         source.check(model)
         self.balance, self.chunks = list(config.balance), config.chunks
-        self.timeout, self.checkpoint, self.precision = (
-            config.timeout, config.checkpoint, config.precision
+        self.timeout, self.recompute, self.precision = (
+            config.timeout, config.recompute, config.precision
         )
         self.world = make_world(**checked("world", options), timeout=config.timeout)
         ranks = self.world.pipeline_ranks(config.schedule, len(self.balance))
@@ -259,6 +262,13 @@ class Pipeline:
         one object for the pipeline's life. It refuses hooks, which would never run there;
         hooks on ``pipe.stages[i].module`` run once per micro-batch on stage i."""
         return self._layers
+
+    @property
+    def checkpoint(self) -> str | tuple[str, ...]:
+        """The old name of ``recompute`` (FutureWarning; it goes in the next release)."""
+        warnings.warn(f"Pipeline.checkpoint is now Pipeline.{RENAMED['checkpoint']}; the old "
+                      "name goes in the next release", FutureWarning, stacklevel=2)
+        return self.recompute
 
     @property
     def num_stages(self) -> int:

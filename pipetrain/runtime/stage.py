@@ -210,7 +210,7 @@ class Stage:
         if self.recompute_below:
             raise ValueError(
                 f"stage {self.index}: CUDA graphs cannot replay a recomputed forward; build the "
-                "stage with recompute_below=0 (checkpoint='never')"
+                "stage with recompute_below=0 (recompute='never')"
             )
         self._slice.autocast_cache = False
         self._policy = Replay(StageGraphs(

@@ -52,7 +52,7 @@ def _train(model_name: str, balance, schedule: str, graphs, precision: str = "fp
     model, loss, default = _setup(model_name)
     torch.manual_seed(7)  # the stages' random streams
     pipe = pipetrain.Pipeline(
-        model, balance, chunks=4, schedule=schedule, checkpoint="never", loss_fn=loss,
+        model, balance, chunks=4, schedule=schedule, recompute="never", loss_fn=loss,
         optimizer=_sgd, devices=["cuda:0"] * len(balance), cuda_graphs=graphs,
         precision=precision, clip_grad_norm=1.0 if precision == "bf16" else None,
     )

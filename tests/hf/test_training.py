@@ -127,7 +127,7 @@ def _schedules(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     """One process per rank trains the model under each schedule (a fresh pipeline each)."""
     runs = {"interleaved": dict(schedule="interleaved", balance=[1, 1, 1, 2], chunks=2),
             "zb-h1": dict(schedule="zb-h1"),
-            "1f1b-recompute": dict(checkpoint="always")}
+            "1f1b-recompute": dict(recompute="always")}
     if world == 4:
         runs = {"1f1b-4": dict(balance=[1, 1, 1, 2], chunks=4),
                 "zb-h1-4": dict(schedule="zb-h1", balance=[1, 1, 1, 2], chunks=4)}

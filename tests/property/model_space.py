@@ -407,7 +407,7 @@ def train_pipeline(case: Case, devices: bool = True, timeout: float = 30.0) -> d
     torch.manual_seed(SEED)
     pipe = pipetrain.Pipeline(
         model, list(case.balance), chunks=case.chunks, schedule=case.schedule,
-        checkpoint=list(case.checkpoint), loss_fn=loss_fn,
+        recompute=list(case.checkpoint), loss_fn=loss_fn,
         optimizer=make_optimizer(case.optimizer), clip_grad_norm=case.clip,
         deferred_batch_norm=True, timeout=timeout,
         devices=["cpu"] * case.ranks if devices else None,

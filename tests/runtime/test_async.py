@@ -261,8 +261,8 @@ def test_prediction_refuses_optimizers_it_cannot_model():
 
 
 def test_asynchronous_options_are_checked():
-    with pytest.raises(ValueError, match="checkpoint='never'"):
-        pipetrain.Pipeline(mlp(), [4, 8], schedule="pipedream", checkpoint="always",
+    with pytest.raises(ValueError, match="recompute='never'"):
+        pipetrain.Pipeline(mlp(), [4, 8], schedule="pipedream", recompute="always",
                            devices=["cpu"] * 2)
     with pytest.raises(ValueError, match="asynchronous"):
         pipetrain.Pipeline(mlp(), [4, 8], schedule="1f1b", weight_prediction="momentum",

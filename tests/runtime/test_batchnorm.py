@@ -38,7 +38,7 @@ def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("first_norm", [True, False])
 def test_running_statistics_are_those_of_the_whole_mini_batch(checkpoint, first_norm):
     plain = conv_model(first_norm)
-    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=4, checkpoint=checkpoint,
+    pipe = pipeline(copy.deepcopy(plain), [3, 3], chunks=4, recompute=checkpoint,
                     deferred_batch_norm=True)
     assert isinstance(pipe.stages[0].module[0 if first_norm else 2], DeferredBatchNorm)
     x, y = data(0)

@@ -108,7 +108,7 @@ def train(name: str, chunks: int, schedule: str, checkpoint: str, **options) -> 
     make, balance = INTERLEAVED if schedule == "interleaved" else MODELS[name]
     options.setdefault("devices", ["cpu"] * len(balance))
     pipe = pipetrain.Pipeline(
-        make(), balance, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+        make(), balance, chunks=chunks, schedule=schedule, recompute=checkpoint,
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, deferred_batch_norm=True,
         timeout=60, **options,
     )

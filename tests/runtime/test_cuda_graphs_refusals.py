@@ -38,8 +38,8 @@ def test_cpu_stages_are_refused_at_construction():
     [
         ({"schedule": "pipedream"}, "asynchronous"),
         ({"schedule": "zb-h1"}, "splits the backward"),
-        ({"checkpoint": "always"}, "recomputes forwards inside the backward"),
-        ({"checkpoint": "except_last", "schedule": "gpipe"}, "checkpoint='never'"),
+        ({"recompute": "always"}, "recomputes forwards inside the backward"),
+        ({"recompute": "except_last", "schedule": "gpipe"}, "recompute='never'"),
         ({"track_memory": True}, "track_memory"),
         ({"deferred_batch_norm": True}, "deferred_batch_norm"),
     ],
@@ -64,8 +64,8 @@ def test_hooks_are_refused():
 
 def test_graphs_keep_activations_by_default():
     resolved = PipelineConfig.resolve(mlp(), [4, 8], schedule="gpipe", cuda_graphs="auto")
-    assert resolved.checkpoint == "never"
-    assert PipelineConfig.resolve(mlp(), [4, 8], schedule="gpipe").checkpoint == "except_last"
+    assert resolved.recompute == "never"
+    assert PipelineConfig.resolve(mlp(), [4, 8], schedule="gpipe").recompute == "except_last"
 
 
 def test_auto_on_cpu_trains_eagerly_as_without():

@@ -61,7 +61,7 @@ def _every_config(rank: int, world: int) -> dict:
     for schedule, checkpoint in itertools.product(SCHEDULES, CHECKPOINTS):
         out[schedule, checkpoint] = _train(
             mlp(), balance, batches(STEPS), chunks=CHUNKS[world], schedule=schedule,
-            checkpoint=checkpoint, track_memory=True,
+            recompute=checkpoint, track_memory=True,
         )
     # Called inside the caller's torch.no_grad() (an evaluation helper around training, say).
     with torch.no_grad():

@@ -54,7 +54,7 @@ def train(
     model = dropout_model()
     torch.manual_seed(SEED)  # the stages' streams are drawn from it
     pipe = pipetrain.Pipeline(
-        model, balance, chunks=4, schedule=schedule, checkpoint=checkpoint,
+        model, balance, chunks=4, schedule=schedule, recompute=checkpoint,
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, devices=devices or ["cpu"] * ranks,
     )
     for x, y in batches(steps):
@@ -102,7 +102,7 @@ def test_a_recomputation_draws_the_mask_its_forward_drew(checkpoint):
     drops = [RecordingDropout(0.5) for _ in range(3)]
     layers = [nn.Linear(12, 12), drops[0], nn.Linear(12, 12), drops[1], nn.Linear(12, 12),
               drops[2], nn.Linear(12, 5)]
-    pipe = pipeline(nn.Sequential(*layers), [2, 2, 3], chunks=4, checkpoint=checkpoint)
+    pipe = pipeline(nn.Sequential(*layers), [2, 2, 3], chunks=4, recompute=checkpoint)
     for x, y in batches(2):
         pipe.train_step(x, y)
     recomputed = 0
@@ -117,12 +117,12 @@ def test_a_recomputation_draws_the_mask_its_forward_drew(checkpoint):
 def test_resume_from_a_checkpoint_continues_the_streams(tmp_path):
     data = batches(2)
     torch.manual_seed(SEED)
-    pipe = pipeline(dropout_model(), [3, 2, 2, 1], chunks=4, checkpoint="always")
+    pipe = pipeline(dropout_model(), [3, 2, 2, 1], chunks=4, recompute="always")
     pipe.train_step(*data[0])
     pipe.save(tmp_path)
     pipe.train_step(*data[1])
     torch.manual_seed(SEED + 1)  # other streams: only the checkpoint's can give the same step
-    resumed = pipeline(dropout_model(), [3, 2, 2, 1], chunks=4, checkpoint="always",
+    resumed = pipeline(dropout_model(), [3, 2, 2, 1], chunks=4, recompute="always",
                        checkpoint_dir=tmp_path)
     resumed.train_step(*data[1])
     assert_same(resumed.module.state_dict(), pipe.module.state_dict())
@@ -132,7 +132,7 @@ def _one_process_per_stage(rank: int, world: int, checkpoint: str) -> dict[str, 
     model = dropout_model()
     torch.manual_seed(SEED)  # every process draws every stage's seed, as the threads do
     pipe = pipetrain.Pipeline(
-        model, [5, 3], chunks=4, checkpoint=checkpoint, loss_fn=nn.functional.cross_entropy,
+        model, [5, 3], chunks=4, recompute=checkpoint, loss_fn=nn.functional.cross_entropy,
         optimizer=sgd, timeout=60,
     )
     for x, y in batches(2):
@@ -146,7 +146,7 @@ def test_one_process_per_stage_trains_as_stages_in_threads():
     torch.manual_seed(SEED)
     model = dropout_model()
     torch.manual_seed(SEED)
-    threads = pipeline(model, [5, 3], chunks=4, checkpoint="never")
+    threads = pipeline(model, [5, 3], chunks=4, recompute="never")
     for x, y in batches(2):
         threads.train_step(x, y)
     parts = values(run_ranks(_one_process_per_stage, 2, "always"))

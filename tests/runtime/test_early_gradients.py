@@ -121,7 +121,7 @@ def test_the_trace_shows_the_early_weight_pass_and_the_step(tmp_path):
     "model, balance, data, loss_fn, options",
     [
         (tiny_gpt, [2, 3], text_batches, lm_loss, {}),  # weights inside each block
-        (mlp, [6, 6], batches, nn.functional.cross_entropy, {"checkpoint": "always"}),
+        (mlp, [6, 6], batches, nn.functional.cross_entropy, {"recompute": "always"}),
         (mlp, [6, 6], batches, nn.functional.cross_entropy, {"schedule": "zb-h1"}),
     ],
     ids=["transformer-blocks", "recomputed", "zero-bubble"],

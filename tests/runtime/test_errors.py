@@ -63,8 +63,8 @@ def test_x_and_y_batch_sizes_must_agree():
 def test_unknown_schedule_and_checkpoint_mode():
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         pipeline(mlp(), [6, 6], schedule="zigzag")
-    with pytest.raises(ValueError, match="checkpoint must be one of"):
-        pipeline(mlp(), [6, 6], checkpoint="sometimes")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        pipeline(mlp(), [6, 6], recompute="sometimes")
 
 
 class ModeName:
@@ -75,15 +75,15 @@ class ModeName:
 
 
 @pytest.mark.parametrize(("checkpoint", "message"), [
-    (ModeName(), r"checkpoint must be one of 'never', 'except_last', 'always' \(a str\) or a "
+    (ModeName(), r"recompute must be one of 'never', 'except_last', 'always' \(a str\) or a "
      r"list of one per stage, got ModeName"),
-    (3, r"checkpoint must be one of .* got int 3"),
-    (["always", ModeName()], r"checkpoint\[1\] must be one of 'never', 'except_last', "
+    (3, r"recompute must be one of .* got int 3"),
+    (["always", ModeName()], r"recompute\[1\] must be one of 'never', 'except_last', "
      r"'always' \(a str\), got ModeName"),
 ])
 def test_a_checkpoint_that_is_no_mode_names_the_modes(checkpoint, message):
     with pytest.raises(TypeError, match=message):
-        pipeline(mlp(), [6, 6], checkpoint=checkpoint)
+        pipeline(mlp(), [6, 6], recompute=checkpoint)
 
 
 def test_one_device_per_stage():
@@ -98,7 +98,7 @@ def test_no_process_group_and_no_devices():
 
 def test_a_failing_layer_is_named_with_its_stage_and_micro_batch():
     model = nn.Sequential(*mlp()[:6], FailOn(call=3), *mlp()[6:])
-    pipe = pipeline(model, [4, 9], chunks=4, checkpoint="never")  # no recomputed calls
+    pipe = pipeline(model, [4, 9], chunks=4, recompute="never")  # no recomputed calls
     x, y = batches(1)[0]
     with pytest.raises(StageError, match=r"stage 1, layer 6 \(FailOn\), forward of micro-batch 2"):
         pipe.train_step(x, y)
@@ -123,7 +123,7 @@ def test_shapes_must_agree_within_a_mini_batch():
             return x if self.calls == 1 else x[:, :-1]
 
     model = nn.Sequential(nn.Linear(4, 4), Ragged(), nn.Linear(4, 2))
-    pipe = pipeline(model, [2, 1], chunks=2, checkpoint="never")
+    pipe = pipeline(model, [2, 1], chunks=2, recompute="never")
     with pytest.raises(StageError, match="micro-batch 1 produced .* but micro-batch 0"):
         pipe.train_step(torch.randn(4, 4), torch.randint(0, 2, (4,)))
 
@@ -144,7 +144,7 @@ def test_unsupported_boundary_value():
 def _fail_on_stage_one(rank: int, world: int) -> float:
     model = nn.Sequential(*mlp()[:6], FailOn(call=3), *mlp()[6:])
     pipe = pipetrain.Pipeline(
-        model, [6, 7], chunks=4, checkpoint="never", loss_fn=nn.functional.cross_entropy,
+        model, [6, 7], chunks=4, recompute="never", loss_fn=nn.functional.cross_entropy,
         optimizer=sgd, timeout=60,
     )
     start = time.monotonic()

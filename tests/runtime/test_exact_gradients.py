@@ -74,7 +74,7 @@ def _train(case: str, schedule: str, checkpoint: str | None, ranks: int,
     build, balance, data, loss_fn = CASES[case]
     stages = 2 * ranks if schedule == "interleaved" else ranks
     pipe = pipetrain.Pipeline(
-        build(stages), balance(stages), chunks=CHUNKS, schedule=schedule, checkpoint=checkpoint,
+        build(stages), balance(stages), chunks=CHUNKS, schedule=schedule, recompute=checkpoint,
         loss_fn=loss_fn, optimizer=sgd, timeout=60,
         devices=["cpu"] * ranks if devices else None,
     )

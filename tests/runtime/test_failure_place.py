@@ -29,7 +29,7 @@ def failing_model() -> nn.Sequential:
 
 def test_the_note_marks_the_failing_action_among_its_neighbours(caplog):
     pipe = pipetrain.Pipeline(
-        failing_model(), [6, 7], chunks=4, schedule="1f1b", checkpoint="never",
+        failing_model(), [6, 7], chunks=4, schedule="1f1b", recompute="never",
         devices=["cpu", "cpu"], loss_fn=nn.functional.cross_entropy, optimizer=sgd,
     )
     with caplog.at_level(logging.ERROR, logger="pipetrain"):
@@ -56,7 +56,7 @@ def test_the_excerpt_stops_at_the_ends_of_the_list():
 
 def _fail(rank: int, world: int) -> None:
     pipe = pipetrain.Pipeline(
-        failing_model(), [6, 7], chunks=4, schedule="1f1b", checkpoint="never",
+        failing_model(), [6, 7], chunks=4, schedule="1f1b", recompute="never",
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60,
     )
     pipe.train_step(*batches(1)[0])

@@ -19,7 +19,7 @@ from tests.runtime.test_errors import FailOn
 
 def _pipeline(model: nn.Sequential, balance, timeout: float, **options) -> pipetrain.Pipeline:
     return pipetrain.Pipeline(model, balance, loss_fn=nn.functional.cross_entropy, optimizer=sgd,
-                              timeout=timeout, checkpoint="never", **options)
+                              timeout=timeout, recompute="never", **options)
 
 
 def _timed_step(pipe: pipetrain.Pipeline) -> tuple[str, str, float]:

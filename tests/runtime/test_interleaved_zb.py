@@ -69,7 +69,7 @@ def _every_config(rank: int, world: int, folder: str) -> dict:
         pipe = _pipeline(schedule, world, trace=f"{folder}/{schedule}")
         out[schedule] = _train(pipe)
         pipe.save_trace()
-    out["zb-h1", "always"] = _train(_pipeline("zb-h1", world, checkpoint="always"))
+    out["zb-h1", "always"] = _train(_pipeline("zb-h1", world, recompute="always"))
     for schedule in SCHEDULES:
         pipe = pipetrain.Pipeline(
             sequence_model(), SEQ_BALANCES[world][schedule], chunks=4, schedule=schedule,
@@ -147,7 +147,7 @@ def test_each_rank_runs_its_list_in_order(runs, schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
 def test_threads_match_single_process_training(world, schedule, checkpoint):
-    result = _train(_pipeline(schedule, world, devices=True, checkpoint=checkpoint))
+    result = _train(_pipeline(schedule, world, devices=True, recompute=checkpoint))
     expected_state = _expected()[0]
     assert list(result["state"]) == list(expected_state), "keys are the full model's, in order"
     _assert_matches([result])

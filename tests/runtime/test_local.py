@@ -29,7 +29,7 @@ def pipeline(model: nn.Sequential, balance, **options) -> pipetrain.Pipeline:
 def test_parameters_match_single_process_training(stages, schedule, checkpoint):
     data = batches(3)
     pipe = pipeline(
-        mlp(), BALANCES[stages], chunks=CHUNKS[stages], schedule=schedule, checkpoint=checkpoint
+        mlp(), BALANCES[stages], chunks=CHUNKS[stages], schedule=schedule, recompute=checkpoint
     )
     losses = [pipe.train_step(x, y) for x, y in data]
     expected_state, expected_losses = reference(mlp(), data)
@@ -99,24 +99,24 @@ def test_checkpoint_default_follows_the_schedule():
             loss_fn=nn.functional.cross_entropy, optimizer=sgd, track_memory=True, **options,
         )
         pipe.train_step(x, y)
-        assert {s.recompute_below for s in pipe.stages} == {recompute_below(pipe.checkpoint, 4)}
-        return pipe.checkpoint, [s.ledger.peak_bytes for s in pipe.stages]
+        assert {s.recompute_below for s in pipe.stages} == {recompute_below(pipe.recompute, 4)}
+        return pipe.recompute, [s.ledger.peak_bytes for s in pipe.stages]
 
     gpipe = kept("gpipe")
-    assert gpipe == kept("gpipe", checkpoint="except_last") and gpipe[0] == "except_last"
-    never = kept("gpipe", checkpoint="never")[1]
+    assert gpipe == kept("gpipe", recompute="except_last") and gpipe[0] == "except_last"
+    never = kept("gpipe", recompute="never")[1]
     assert all(a < b for a, b in zip(gpipe[1], never, strict=True))
     for schedule, balance in [("1f1b", (6, 6)), ("interleaved", (3, 3, 3, 3)),
                               ("zb-h1", (6, 6)), ("pipedream", (6, 6))]:
         mode, peaks = kept(schedule, balance)
         assert mode == "never", schedule
         if schedule != "pipedream":  # asynchronous schedules refuse recomputation
-            always = kept(schedule, balance, checkpoint="always")[1]
+            always = kept(schedule, balance, recompute="always")[1]
             assert all(a > b for a, b in zip(peaks, always, strict=True)), schedule
     measured = pipetrain.profile(mlp(), x[:6], warmup=0, repeats=1)
     plan = make_plan(measured, stages=2, microbatches=4, schedule="gpipe", checkpoint="always")
     assert kept("gpipe", plan.balance, plan=plan)[0] == "always"
-    assert kept("gpipe", plan.balance, plan=plan, checkpoint="never")[0] == "never"
+    assert kept("gpipe", plan.balance, plan=plan, recompute="never")[0] == "never"
 
 
 def test_hooks_on_a_stage_module_run_and_pipe_module_refuses_them():

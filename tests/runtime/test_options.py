@@ -15,7 +15,7 @@ from torch import nn
 
 import pipetrain
 from pipetrain.runtime.config import PipelineConfig
-from pipetrain.runtime.options import OPTIONS, PipelineOptions, checked
+from pipetrain.runtime.options import OPTIONS, RENAMED, PipelineOptions, checked
 from schedules.registry import RECOMPUTE_MODES, recompute_below
 
 DERIVED = ["autocast_dtype", "loss_scaling", "planned_ranks", "planned_microbatch"]
@@ -67,11 +67,13 @@ def test_the_constructor_takes_the_options_as_typed_keywords():
     assert code.co_varnames[: code.co_argcount] == ("self", "model", "balance")
     assert code.co_kwonlyargcount == 0 and code.co_flags & inspect.CO_VARKEYWORDS
     annotations = PipelineOptions.__annotations__
-    assert list(annotations) == [o.name for o in OPTIONS]
+    assert list(annotations) == [*(o.name for o in OPTIONS), *RENAMED]  # old names last
     assert PipelineOptions.__optional_keys__ == frozenset(annotations)
     for option in OPTIONS:  # postponed: a string, or typing's reference to one
         written = annotations[option.name]
         assert getattr(written, "__forward_arg__", written) == option.type, option.name
+    for old, new in RENAMED.items():
+        assert annotations[old] == annotations[new], old
 
 
 def test_each_group_is_one_run_of_options():
@@ -107,7 +109,7 @@ def test_the_config_holds_the_tables_options_as_checked():
     assert fields == ["balance", *taken, *DERIVED]
     resolved = PipelineConfig.resolve(mlp(), [2, 2])
     by_default = checked("config", {})
-    fallbacks = {"chunks": 1, "schedule": "1f1b", "checkpoint": "never"}  # see resolve
+    fallbacks = {"chunks": 1, "schedule": "1f1b", "recompute": "never"}  # see resolve
     for name in taken:
         assert getattr(resolved, name) == fallbacks.get(name, by_default[name]), name
 
@@ -115,13 +117,13 @@ def test_the_config_holds_the_tables_options_as_checked():
 def test_every_option_reaches_its_part():
     """A value given to Pipeline arrives in the part that takes it, not its default."""
     pipe = pipetrain.Pipeline(
-        mlp(), [2, 2], devices=["cpu", "cpu"], chunks=2, schedule="gpipe", checkpoint="always",
+        mlp(), [2, 2], devices=["cpu", "cpu"], chunks=2, schedule="gpipe", recompute="always",
         timeout=12.5, precision="bf16", clip_grad_norm=1.5, nonfinite="raise",
         checkpoint_every=7, check_batches=False, track_memory=True, init_seed=3,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
     )
     config = pipe.config
-    assert (config.chunks, config.schedule, config.checkpoint, config.timeout) == (
+    assert (config.chunks, config.schedule, config.recompute, config.timeout) == (
         2, "gpipe", "always", 12.5
     )
     assert (config.precision, config.autocast_dtype, config.clip_grad_norm) == (
@@ -148,6 +150,24 @@ def test_pipeline_refuses_an_unknown_keyword_naming_it_and_the_closest_option():
 @pytest.mark.parametrize("checkpoint", ["sometimes", ["never", "often"]])
 def test_a_recompute_mode_is_one_of_the_schedules_layers(checkpoint):
     """The modes are schedules/registry.py's RECOMPUTE_MODES, checked directly."""
-    with pytest.raises(ValueError, match="checkpoint.* must be one of .*except_last"):
-        PipelineConfig.resolve(mlp(), [2, 2], checkpoint=checkpoint)
+    with pytest.raises(ValueError, match="recompute.* must be one of .*except_last"):
+        PipelineConfig.resolve(mlp(), [2, 2], recompute=checkpoint)
     assert [recompute_below(mode, 4) for mode in RECOMPUTE_MODES] == [0, 3, 4]
+
+
+def test_recomputation_under_its_old_name_checkpoint_works_with_a_warning():
+    """``checkpoint=`` (recomputation, beside ``checkpoint_dir=`` and ``checkpoint_every=``,
+    which save) is now ``recompute=``: the old name still works for one release, warning at
+    the caller's line, as does ``pipe.checkpoint``; both names at once are refused."""
+    with pytest.warns(FutureWarning, match=r"checkpoint=\.\.\.\) is now recompute=") as said:
+        pipe = pipetrain.Pipeline(mlp(), [2, 2], devices=["cpu", "cpu"], checkpoint="always")
+    assert [w.filename for w in said] == [__file__]
+    assert pipe.config.recompute == pipe.recompute == "always"
+    assert {s.recompute_below for s in pipe.stages} == {1}  # "always", one micro-batch
+    with pytest.warns(FutureWarning, match="Pipeline.checkpoint is now Pipeline.recompute"):
+        assert pipe.checkpoint == "always"
+    with pytest.warns(FutureWarning):
+        assert PipelineConfig.resolve(mlp(), [2, 2], checkpoint="always").recompute == "always"
+    with pytest.raises(TypeError, match="both checkpoint= and recompute="):
+        pipetrain.Pipeline(mlp(), [2, 2], devices=["cpu", "cpu"], checkpoint="always",
+                           recompute="never")

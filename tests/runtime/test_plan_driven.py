@@ -150,20 +150,20 @@ def test_a_plan_recomputing_on_one_stage_trains_exactly(mixed_plan_path):
         )
 
     pipe = pipeline()
-    assert pipe.checkpoint == ("never", "always")
+    assert pipe.recompute == ("never", "always")
     assert [s.recompute_below for s in pipe.stages] == [0, CHUNKS]  # "never", "always"
     losses = [pipe.train_step(x, y) for x, y in data()]
     expected_state, expected_losses = reference()
     assert_same_state(pipe.module.state_dict(), expected_state)
     assert losses == pytest.approx(expected_losses, abs=1e-6)
-    keeping = pipeline(checkpoint="never")
+    keeping = pipeline(recompute="never")
     keeping.train_step(x, y)
-    fresh = pipeline(checkpoint=["never", "always"])
+    fresh = pipeline(recompute=["never", "always"])
     fresh.train_step(x, y)
     kept = [[s.ledger.peak_bytes for s in p.stages] for p in (fresh, keeping)]
     assert kept[0][0] == kept[1][0] and kept[0][1] < kept[1][1]
-    with pytest.raises(ValueError, match="checkpoint lists 3 modes for 2 stages"):
-        pipeline(checkpoint=["always", "never", "never"])
+    with pytest.raises(ValueError, match="recompute lists 3 modes for 2 stages"):
+        pipeline(recompute=["always", "never", "never"])
 
 
 def test_a_plan_recomputing_on_one_stage_trains_exactly_in_processes(mixed_plan_path):

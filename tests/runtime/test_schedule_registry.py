@@ -87,7 +87,7 @@ def test_a_registered_schedule_trains_like_one_process_in_threads(case):
             loss_fn=loss_fn, optimizer=sgd, track_memory=True,
         )
         losses = [pipe.train_step(x, y) for x, y in data]
-    assert pipe.checkpoint == "never", "the entry's default recomputation mode"
+    assert pipe.recompute == "never", "the entry's default recomputation mode"
     assert [s.ledger.peak_microbatches for s in pipe.stages] == [chunks] * len(balance)
     assert_like_one_process([pipe.module.state_dict()], losses, make(), data, loss_fn)
 
@@ -137,7 +137,7 @@ def test_the_ledger_holds_a_stage_to_its_schedules_inflight_count():
     assert [s.ledger.peak_microbatches for s in pipe.stages] == [4, 3, 2, 1]
     assert [s.ledger.bound for s in pipe.stages] == [4, 3, 2, 1]
     gpipe = pipetrain.Pipeline(
-        mlp(), [6, 6], chunks=4, schedule="gpipe", devices=["cpu"] * 2, checkpoint="never",
+        mlp(), [6, 6], chunks=4, schedule="gpipe", devices=["cpu"] * 2, recompute="never",
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, track_memory=True,
     )
     gpipe.stages[0].ledger.bound = 3  # as if the entry promised less than GPipe holds

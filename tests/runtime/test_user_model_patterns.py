@@ -204,7 +204,7 @@ def _train(case: Case, schedule: str, checkpoint: str | None, chunks: int,
     """A fresh pipeline on 2 ranks (threads, or this process's group) trained 2 steps."""
     balance = case.balances[4 if schedule == "interleaved" else 2]
     pipe = pipetrain.Pipeline(
-        case.model(), balance, chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+        case.model(), balance, chunks=chunks, schedule=schedule, recompute=checkpoint,
         loss_fn=nn.functional.cross_entropy, optimizer=case.optimizer, timeout=60,
         devices=["cpu", "cpu"] if devices else None,
     )

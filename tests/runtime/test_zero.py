@@ -233,7 +233,7 @@ def _options(rank: int, world: int, folder: str) -> dict[str, dict]:
         "skip": (dict(), [5, 7], poisoned, (0, 3)),
         "zero bubble": (dict(schedule="zb-h1"), [5, 7], data, (0, 1, 3)),
         # W backpropagates the recomputed stage again, through the gathered weights
-        "zero bubble recomputed": (dict(schedule="zb-h1", checkpoint="always"), [5, 7],
+        "zero bubble recomputed": (dict(schedule="zb-h1", recompute="always"), [5, 7],
                                    data, (0, 3)),
         "lazy": (dict(init_seed=3), [5, 7], data, (0, 3)),
         "lazy from a file": (dict(weights=weights), [5, 7], data, (0, 3)),

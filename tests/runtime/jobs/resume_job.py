@@ -28,7 +28,7 @@ args = parser.parse_args()
 
 rank, world = pipetrain.init_distributed(timeout=60)
 torch.set_num_threads(1)
-pipe = pipetrain.Pipeline(mlp(), [6, 6], chunks=4, schedule="1f1b", checkpoint="never",
+pipe = pipetrain.Pipeline(mlp(), [6, 6], chunks=4, schedule="1f1b", recompute="never",
                           loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=30,
                           checkpoint_dir=args.dir, checkpoint_every=2)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
