@@ -65,10 +65,12 @@ LONGEST_FUNCTION = 80  # lines: issue 46's limit on a function (docstring and si
 
 
 def long_functions(limit: int = LONGEST_FUNCTION) -> list[tuple[int, str]]:
-    """(lines, "file:function") of every function of pipetrain, partitioner and schedules
-    longer than ``limit`` lines, longest first."""
+    """(lines, "file:function") of every function of the repository's Python (pipetrain,
+    partitioner, schedules, benchmarks, examples, tests) longer than ``limit`` lines, longest
+    first."""
     found = []
-    for path in (p for package in PACKAGES for p in _sources(ROOT / package)):
+    folders = (*PACKAGES, "benchmarks", "examples", "tests")
+    for path in (p for folder in folders for p in _sources(ROOT / folder)):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1

@@ -296,20 +296,30 @@ def _measure(rank: int, opts: dict, timeout: float) -> dict | None:
         for name in rotation(names, r):
             records, _ = block(name, opts["steps"])
             steps += [dict(rec, round=r, variant=name) for rec in records]
-    # first-step losses from the rank that has them, as a sanity check of equivalence
+    merged = _first_losses(first_loss)
+    if rank != 0:
+        return None
+    return {"steps": steps, "first_loss": merged, "waited": waited}
+
+
+def _first_losses(first_loss: dict[str, float | None]) -> dict[str, float | None]:
+    """Each variant's first-step loss from the rank that has it (the last stage's), gathered
+    from every rank: a sanity check of equivalence."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(first_loss)
     loss_t = torch.tensor(
         [first_loss[n] if first_loss[n] is not None else float("nan") for n in names],
         dtype=torch.float64,
     )
     gathered = [torch.empty_like(loss_t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, loss_t)
-    if rank != 0:
-        return None
     merged = {}
     for k, n in enumerate(names):
         vals = [t[k].item() for t in gathered if t[k].item() == t[k].item()]
         merged[n] = vals[0] if vals else None
-    return {"steps": steps, "first_loss": merged, "waited": waited}
+    return merged
 
 
 def _wait_for_quiet(limit_s: float, share: float) -> float:

@@ -159,7 +159,8 @@ def _runtime_overhead(world: int, opts: dict) -> float:
         optimizer=_adam,
         timeout=opts["timeout"],
     )
-    x, y = torch.randn(m, 4), torch.randn(m, 4)
+    g = torch.Generator().manual_seed(0)  # the same batch on every rank, as the pipeline checks
+    x, y = torch.randn(m, 4, generator=g), torch.randn(m, 4, generator=g)
     for _ in range(5):
         pipe.train_step(x, y)
     dist.monitored_barrier(timeout=timedelta(seconds=opts["timeout"]))
@@ -209,14 +210,32 @@ def _rank_main(rank: int, port: int, world: int, opts: dict, results) -> None:
         dist.destroy_process_group()
 
 
+def _pipeline(opts: dict, planned, balance: list[int] | None):
+    """The model as a Pipeline: as the plan ``planned`` says (balance, schedule, micro-batches,
+    recomputation), or split by ``balance`` under 1F1B without recomputation."""
+    import pipetrain
+    from examples.models import resnet_like
+    from partitioner import Plan
+
+    model = resnet_like(**opts["model"])
+    common = dict(loss_fn=_loss, optimizer=_adam, timeout=opts["timeout"])
+    if balance is None:
+        return pipetrain.Pipeline(model, plan=Plan.from_json(planned.to_json()), **common)
+    return pipetrain.Pipeline(
+        model,
+        balance,
+        chunks=opts["microbatches"],
+        schedule="1f1b",
+        recompute="never",
+        **common,
+    )
+
+
 def _measure(rank: int, world: int, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    import pipetrain
-    from examples.models import resnet_like
-    from partitioner import Plan, Profile
+    from partitioner import Profile
     from partitioner import plan as make_plan
 
     timeout = opts["timeout"]
@@ -239,21 +258,9 @@ def _measure(rank: int, world: int, opts: dict) -> dict:
     x = torch.randn(opts["batch"], 3, 32, 32, generator=g)
     y = torch.randint(0, opts["classes"], (opts["batch"],), generator=g)
 
-    def build(balance: list[int] | None) -> pipetrain.Pipeline:
-        model: nn.Sequential = resnet_like(**opts["model"])
-        common = dict(loss_fn=_loss, optimizer=_adam, timeout=timeout)
-        if balance is None:  # the plan gives balance, schedule, micro-batches, checkpointing
-            return pipetrain.Pipeline(model, plan=Plan.from_json(planned.to_json()), **common)
-        return pipetrain.Pipeline(
-            model,
-            balance,
-            chunks=opts["microbatches"],
-            schedule="1f1b",
-            recompute="never",
-            **common,
-        )
-
-    variants = {"planned": build(None), "uniform": build(uniform)}
+    variants = {
+        "planned": _pipeline(opts, planned, None), "uniform": _pipeline(opts, None, uniform)
+    }
     compute = _time_stage_compute()  # this rank's forward+backward seconds, per step
 
     def block(name: str, steps: int) -> list[float]:
@@ -456,7 +463,8 @@ def _measured_report(results: dict, profile, opts: dict) -> str:
     return "\n".join([*rows, *summary, *compute_rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="2,4", help="stage counts to run (default 2,4)")
     ap.add_argument("--batch", type=int, default=64, help="mini-batch (default 64)")
@@ -491,7 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=600.0, help="per launch (s)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 2 steps")
     ap.add_argument("--json", help="also write the raw results here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.profile_repeats = 2, 2, 1, 5
     stage_counts = [int(s) for s in args.stages.split(",") if s.strip()]

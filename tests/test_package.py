@@ -125,9 +125,9 @@ def test_no_import_circle_between_modules():
 
 
 def test_no_function_is_longer_than_eighty_lines():
-    """A function the next engineer reads in one go: none of pipetrain, partitioner and
-    schedules runs over LONGEST_FUNCTION lines (docstring included); split a longer one by
-    the steps it takes."""
+    """A function the next engineer reads in one go: none in the repository (the packages,
+    benchmarks, examples, tests) runs over LONGEST_FUNCTION lines, docstring included; split
+    a longer one by the steps it takes."""
     assert long_functions(10), "no function over 10 lines found: the parse is broken"
     assert not long_functions(LONGEST_FUNCTION), long_functions(LONGEST_FUNCTION)
 

@@ -49,7 +49,7 @@ class ForwardPolicy:
 class Recompute(ForwardPolicy):
     """Micro-batches numbered below ``below`` keep only their inputs and run their forward
     again in the backward, replaying its random draws from ``rng``
-    (pipetrain/runtime/config.py derives ``below`` from the checkpoint mode)."""
+    (pipetrain/runtime/config.py derives ``below`` from the recomputation mode)."""
 
     def __init__(self, below: int, rng: StageRng):
         self.recompute_below = below

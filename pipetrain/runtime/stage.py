@@ -49,7 +49,7 @@ class StageOptions:
 
     Training micro-batches numbered below ``recompute_below`` keep only their inputs and
     recompute their forward in the backward (pipetrain/runtime/config.py derives it from the
-    checkpoint mode); ``split_backward``: the schedule has W passes. On the last stage the
+    recomputation mode); ``split_backward``: the schedule has W passes. On the last stage the
     backward starts from the loss scale over ``loss_divisor`` (the micro-batches of one
     update). ``autocast_dtype`` is the stage's mixed precision (None: fp32). ``seed`` starts
     the stage's random stream (pipetrain/runtime/rng.py); by default one drawn from the global
