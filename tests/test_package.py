@@ -3,7 +3,6 @@ costs, and the logger switch."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import re
@@ -182,49 +181,6 @@ def test_the_compatibility_matrix_lists_every_row_ci_runs():
         assert line, f"docs/compatibility.md has no row {name}: run .ci/compatibility.py"
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[1].startswith(python + ".") and cells[2].split("+")[0] == torch, line
-
-
-NEWER_NAMES = {  # added in Python 3.11: (module, name); a module; a builtin; a method
-    ("typing", n) for n in ("Self", "LiteralString", "Never", "assert_never", "reveal_type",
-                            "NotRequired", "Required", "dataclass_transform", "Unpack")
-} | {("enum", "StrEnum"), ("enum", "ReprEnum"), ("enum", "verify"), ("datetime", "UTC"),
-     ("asyncio", "TaskGroup"), ("asyncio", "timeout"), ("hashlib", "file_digest"),
-     ("math", "exp2"), ("math", "cbrt"), ("contextlib", "chdir"), ("operator", "call")}
-NEWER_MODULES = {"tomllib"}
-NEWER_BUILTINS = {"ExceptionGroup", "BaseExceptionGroup"}
-NEWER_METHODS = {"add_note"}
-
-
-def _newer_uses(tree: ast.AST) -> list[str]:
-    found = []
-    for node in ast.walk(tree):
-        line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found += [f"{line}: {node.module}.{a.name}" for a in node.names
-                      if (node.module, a.name) in NEWER_NAMES or node.module in NEWER_MODULES]
-        elif isinstance(node, ast.Import):
-            found += [f"{line}: {a.name}" for a in node.names if a.name in NEWER_MODULES]
-        elif isinstance(node, ast.Attribute):
-            owner = node.value.id if isinstance(node.value, ast.Name) else None
-            if (owner, node.attr) in NEWER_NAMES or node.attr in NEWER_METHODS:
-                found.append(f"{line}: .{node.attr}")
-        elif isinstance(node, ast.Name) and node.id in NEWER_BUILTINS:
-            found.append(f"{line}: {node.id}")
-        elif type(node).__name__ == "TryStar":
-            found.append(f"{line}: except*")
-    return found
-
-
-def test_the_package_calls_nothing_newer_than_python_3_10():
-    """CI runs 3.11 only (the torch wheel here is cp311), but the package keeps clear of what
-    3.11 added, so a wider CI needs no code change: add_note once masked every layer's error
-    on 3.10 with an AttributeError."""
-    newer = {
-        str(path.relative_to(ROOT)): uses
-        for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
-        if (uses := _newer_uses(ast.parse(path.read_text())))
-    }
-    assert not newer, newer
 
 
 def test_import_pipetrain_and_pipetrain_hf_leave_transformers_unloaded():

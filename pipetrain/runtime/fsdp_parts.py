@@ -1,5 +1,5 @@
 """The parts of FSDP2 that ZeRO 2 and 3 (:mod:`pipetrain.runtime.sharding`) read beyond its
-public API, on every torch pipetrain claims (2.7 through the newest).
+public API, on every torch pipetrain claims (2.9 through the newest).
 
 torch keeps these private and renames them between releases: this module is the one place
 that knows each release's names, keyed on what the running torch has (a release is known by
@@ -25,7 +25,7 @@ def private(owner: object, name: str) -> Any:
         raise RuntimeError(
             f"zero=2|3 needs FSDP2's {name!r} of {type(owner).__name__} (for a split-backward "
             f"schedule's reduce and for weights without gradients), which torch "
-            f"{torch.__version__} lacks (pipetrain reads torch 2.7 through 2.14's): use zero=1"
+            f"{torch.__version__} lacks (pipetrain reads torch 2.9 through 2.14's): use zero=1"
         ) from error
 
 
