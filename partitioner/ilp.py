@@ -1,4 +1,4 @@
-"""Integer program for ordered chains of unlike devices (pulp + CBC).
+"""Integer program for ordered chains of unlike devices (pulp; its releases: partitioner.solver).
 
 Stage t runs on device t of the chain (its speed, memory and the link to device t + 1 differ per
 device). Binary ``e[t, p]`` says that stage t ends at cut position p; every prefix-sum quantity of
@@ -15,7 +15,6 @@ is faster and exact; this exists for device mixes and as an independent check of
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -24,22 +23,7 @@ import pulp
 from partitioner.costs import Problem, compute_prefix, link_time, memory_terms
 from partitioner.dp import Split, smallest_cap, split_of
 from partitioner.errors import InfeasibleError
-
-
-def _solve(model: pulp.LpProblem, time_limit: float | None) -> bool:
-    with warnings.catch_warnings():
-        # pulp 3 marks its bundled CBC for removal in pulp 4 yet ships no other solver.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
-    model.solve(solver)
-    return bool(pulp.LpStatus[model.status] == "Optimal")
-
-
-def _variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
-    """A variable of ``model`` (pulp >= 3.3 attaches variables to their model)."""
-    if hasattr(model, "add_variable"):
-        return model.add_variable(name, lowBound=0, cat=cat)
-    return pulp.LpVariable(name, lowBound=0, cat=cat)
+from partitioner.solver import constant, solve, variable
 
 
 def _most_memory(problem: Problem, stage: int) -> int:
@@ -60,7 +44,7 @@ class _Program:
         self.problem, self.cuts = problem, cuts
         self.model = pulp.LpProblem(objective, pulp.LpMinimize)
         self.e = {
-            (t, p): _variable(self.model, f"e_{t}_{p}", "Binary")
+            (t, p): variable(self.model, f"e_{t}_{p}", "Binary")
             for t in range(s - 1)
             for p in cuts
         }
@@ -73,11 +57,11 @@ class _Program:
         self.time_scale = max(float(compute_prefix(problem, t, 1, True)[-1]) for t in range(s))
         self.time_scale = self.time_scale or 1.0
         mem_scale = float(max(_most_memory(problem, t) for t in range(s))) or 1.0
-        bound = _variable(self.model, "bound", "Continuous")
+        bound = variable(self.model, "bound", "Continuous")
         self.model += bound
         time_cap = bound if objective == "time" else limit / self.time_scale
         # scaled times and memories are at most 1: a slack of 2 lifts a mode's bounds
-        c = {t: _variable(self.model, f"c_{t}", "Binary") for t in range(s) if len(modes) > 1}
+        c = {t: variable(self.model, f"c_{t}", "Binary") for t in range(s) if len(modes) > 1}
         for t in range(s):
             for mode in modes:
                 off = 0 if len(modes) == 1 else (1 - c[t] if mode else c[t])
@@ -95,17 +79,17 @@ class _Program:
 
     def _end(self, t: int, values: np.ndarray) -> pulp.LpAffineExpression:
         if t == self.problem.stages - 1:
-            return pulp.LpAffineExpression(constant=float(values[self.problem.layers]))
+            return constant(float(values[self.problem.layers]))
         return pulp.lpSum(float(values[p]) * self.e[t, p] for p in self.cuts)
 
     def _start(self, t: int, values: np.ndarray) -> pulp.LpAffineExpression:
         if t == 0:
-            return pulp.LpAffineExpression(constant=float(values[0]))
+            return constant(float(values[0]))
         return self._end(t - 1, values)
 
     def solve(self, time_limit: float | None) -> Split | None:
         """The chosen split, evaluated by the shared cost model, or None if infeasible."""
-        if not _solve(self.model, time_limit):
+        if not solve(self.model, time_limit):
             return None
         e, s = self.e, self.problem.stages
         ends = [max(self.cuts, key=lambda p: e[t, p].varValue or 0.0) for t in range(s - 1)]

@@ -3,7 +3,6 @@ costs, and the logger switch."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import re
@@ -162,59 +161,75 @@ def _minor_versions(spec: str) -> list[str]:
     return [v for v in (f"3.{m}" for m in range(6, 30)) if SpecifierSet(spec).contains(v)]
 
 
-def test_pyproject_claims_the_python_that_ci_runs():
-    """pyproject.toml claims exactly the Python .ci/run runs (and checks it runs), and lints and
-    type-checks for that one: a claimed Python that CI never runs may break unseen."""
+def _ci_matrix() -> dict[str, tuple[str, str, str]]:
+    """.ci/matrix's rows: name -> (python, torch, the rest)."""
+    rows = {}
+    for line in (ROOT / ".ci" / "matrix").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, python, torch, rest = line.split()
+            rows[name] = (python, torch, rest)
+    return rows
+
+
+def _lower_bound(requirement: str) -> tuple[str, str]:
+    """(name, its >= version) of a requirement like ``torch>=2.6``."""
+    from packaging.requirements import Requirement
+
+    parsed = Requirement(requirement)
+    bounds = [s.version for s in parsed.specifier if s.operator == ">="]
+    assert len(bounds) == 1, f"{requirement}: one lower bound (>=) expected"
+    return parsed.name.lower(), bounds[0]
+
+
+def test_pyproject_claims_what_the_ci_matrix_runs():
+    """pyproject.toml's lowest Python and torch are the oldest row's of .ci/matrix, with no
+    upper bound (the newest row runs the newest release); ruff lints and mypy type-checks for
+    the oldest Python (.ci/run type-checks for the newest row's too). A claim that CI never
+    runs may break unseen."""
+    from packaging.version import Version
+
     config = read_configuration(ROOT / "pyproject.toml")
-    found = re.search(r"^CI_PYTHON=(3\.\d+)$", (ROOT / ".ci" / "run").read_text(), re.M)
-    assert found, ".ci/run names no CI_PYTHON"
-    ci = found[1]
-    assert _minor_versions(config["project"]["requires-python"]) == [ci]
-    assert config["tool"]["ruff"]["target-version"] == "py" + ci.replace(".", "")
-    assert config["tool"]["mypy"]["python_version"] == ci
+    rows = _ci_matrix()
+    assert set(rows) == {"main", "newest", "oldest"}
+    oldest_python, oldest_torch, _ = rows["oldest"]
+    assert _minor_versions(config["project"]["requires-python"])[0] == oldest_python
+    assert _minor_versions(config["project"]["requires-python"])[-1] == "3.29", "an upper bound"
+    assert max((r[0] for r in rows.values()), key=Version) == rows["newest"][0]
+    assert config["tool"]["ruff"]["target-version"] == "py" + oldest_python.replace(".", "")
+    assert config["tool"]["mypy"]["python_version"] == oldest_python
+    torch = dict(_lower_bound(d) for d in config["project"]["dependencies"])["torch"]
+    assert Version(torch).release == Version(oldest_torch).release[:2]
+    assert max((r[1] for r in rows.values()), key=Version) == rows["newest"][1]
 
 
-NEWER_NAMES = {  # added in Python 3.11: (module, name); a module; a builtin; a method
-    ("typing", n) for n in ("Self", "LiteralString", "Never", "assert_never", "reveal_type",
-                            "NotRequired", "Required", "dataclass_transform", "Unpack")
-} | {("enum", "StrEnum"), ("enum", "ReprEnum"), ("enum", "verify"), ("datetime", "UTC"),
-     ("asyncio", "TaskGroup"), ("asyncio", "timeout"), ("hashlib", "file_digest"),
-     ("math", "exp2"), ("math", "cbrt"), ("contextlib", "chdir"), ("operator", "call")}
-NEWER_MODULES = {"tomllib"}
-NEWER_BUILTINS = {"ExceptionGroup", "BaseExceptionGroup"}
-NEWER_METHODS = {"add_note"}
+def test_the_oldest_row_pins_each_dependency_at_its_lowest_claim():
+    """.ci/oldest.txt pins every dependency (and the test and hf extras') at the release
+    pyproject.toml names as its lowest, so the oldest claims are the ones CI runs."""
+    from packaging.version import Version
+
+    config = read_configuration(ROOT / "pyproject.toml")
+    project = config["project"]
+    extras = project["optional-dependencies"]
+    claimed = dict(_lower_bound(r) for r in [*project["dependencies"], *extras["test"],
+                                               *extras["hf"]])
+    lines = (ROOT / ".ci" / "oldest.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    assert set(pins) == set(claimed)
+    for name, bound in claimed.items():
+        release = Version(bound).release
+        assert Version(pins[name]).release[:len(release)] == release, (name, pins[name], bound)
+    assert pins["torch"] == _ci_matrix()["oldest"][1]
 
 
-def _newer_uses(tree: ast.AST) -> list[str]:
-    found = []
-    for node in ast.walk(tree):
-        line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found += [f"{line}: {node.module}.{a.name}" for a in node.names
-                      if (node.module, a.name) in NEWER_NAMES or node.module in NEWER_MODULES]
-        elif isinstance(node, ast.Import):
-            found += [f"{line}: {a.name}" for a in node.names if a.name in NEWER_MODULES]
-        elif isinstance(node, ast.Attribute):
-            owner = node.value.id if isinstance(node.value, ast.Name) else None
-            if (owner, node.attr) in NEWER_NAMES or node.attr in NEWER_METHODS:
-                found.append(f"{line}: .{node.attr}")
-        elif isinstance(node, ast.Name) and node.id in NEWER_BUILTINS:
-            found.append(f"{line}: {node.id}")
-        elif type(node).__name__ == "TryStar":
-            found.append(f"{line}: except*")
-    return found
-
-
-def test_the_package_calls_nothing_newer_than_python_3_10():
-    """CI runs 3.11 only (the torch wheel here is cp311), but the package keeps clear of what
-    3.11 added, so a wider CI needs no code change: add_note once masked every layer's error
-    on 3.10 with an AttributeError."""
-    newer = {
-        str(path.relative_to(ROOT)): uses
-        for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
-        if (uses := _newer_uses(ast.parse(path.read_text())))
-    }
-    assert not newer, newer
+def test_the_compatibility_matrix_lists_every_row_ci_runs():
+    """docs/compatibility.md (written by .ci/compatibility.py from CI's results) has a line per
+    row of .ci/matrix, at that row's Python and torch."""
+    table = (ROOT / "docs" / "compatibility.md").read_text()
+    for name, (python, torch, _) in _ci_matrix().items():
+        line = next((x for x in table.splitlines() if x.startswith(f"| {name} |")), None)
+        assert line, f"docs/compatibility.md has no row {name}: run .ci/compatibility.py"
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1].startswith(python + ".") and cells[2].split("+")[0] == torch, line
 
 
 def test_import_pipetrain_and_pipetrain_hf_leave_transformers_unloaded():

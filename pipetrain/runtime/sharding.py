@@ -70,6 +70,13 @@ from torch.utils import _pytree
 from pipetrain.checkpoints.checkpointing import WholeState
 from pipetrain.errors import PeerError
 from pipetrain.runtime import readback
+from pipetrain.runtime.fsdp_parts import (
+    all_states,
+    param_groups,
+    private,
+    reduce_unused_weights,
+    state,
+)
 from pipetrain.runtime.stage import OptimizerFactory, Stage
 from schedules import Schedule
 
@@ -174,25 +181,25 @@ class ShardedGradients:
         self._layers = module  # the same, as an nn.Module
         self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
         self.group, self.device, self.timeout = group, device, timeout
-        _private(self.module, "set_reduce_scatter_unused_params")(True)  # the same reduce-scatters
+        reduce_unused_weights(module)  # the same reduce-scatters on every replica
         self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
             weight for part in module.modules() if isinstance(part, FSDPModule)
-            for param_group in _private(_fsdp_state(part), "_fsdp_param_groups")
-            for weight in _private(param_group, "fsdp_params")
+            for param_group in param_groups(state(part))
+            for weight in private(param_group, "fsdp_params")
         ]
         for weight in self._weights:  # what _note_gradients reads, there on this torch
-            _private(weight, "unsharded_accumulated_grad")
-            _private(type(weight), "unsharded_param")
+            private(weight, "unsharded_accumulated_grad")
+            private(type(weight), "unsharded_param")
         self._seen: set[int] = set()  # the weights this replica made gradients for this step
         # per weight, how many replicas made its gradient this step (summed at finish)
         self._presence = torch.ones(len(self._weights), device=device)
         self._hooked: set[int] = set()
         if split_backward:  # what _reduce reads, there before the first step
             for part in [module, *shards]:
-                for group in _private(_fsdp_state(part), "_fsdp_param_groups"):
-                    _private(group, "post_backward")
-            _private(_private(_fsdp_state(module), "_state_ctx"), "all_states")
-            _private(_fsdp_state(module), "_root_post_backward_final_callback")
+                for group in param_groups(state(part)):
+                    private(group, "post_backward")
+            all_states(module)
+            private(state(module), "_root_post_backward_final_callback")
         self._accumulate()
 
     def _accumulate(self) -> None:
@@ -290,11 +297,10 @@ class ShardedGradients:
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True)
         self.module.set_requires_gradient_sync(True)
-        root = _fsdp_state(self._layers)
-        for state in _private(_private(root, "_state_ctx"), "all_states"):
-            for group in _private(state, "_fsdp_param_groups"):
-                _private(group, "post_backward")()
-        _private(root, "_root_post_backward_final_callback")()
+        for own in all_states(self._layers):
+            for group in param_groups(own):
+                group.post_backward()
+        private(state(self._layers), "_root_post_backward_final_callback")()
 
 
 def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -308,25 +314,6 @@ def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tu
         return x.detach().requires_grad_() if x.is_floating_point() and not x.requires_grad else x
 
     return cast(tuple[Any, ...], _pytree.tree_map_only(torch.Tensor, leaf, inputs))
-
-
-def _fsdp_state(module: nn.Module) -> Any:
-    """FSDP2's state of a ``fully_shard``ed ``module``."""
-    return _private(fully_shard, "state")(module)
-
-
-def _private(owner: object, name: str) -> Any:
-    """``owner.name``, a part of FSDP2 that a split backward or a weight without gradients
-    needs and that older torch lacks (or keeps private); its absence is an error naming the
-    version."""
-    try:
-        return getattr(owner, name)
-    except AttributeError as error:
-        raise RuntimeError(
-            f"zero=2|3 needs FSDP2's {name!r} of {type(owner).__name__} (for a split-backward "
-            f"schedule's reduce and for weights without gradients), which torch "
-            f"{torch.__version__} lacks (written against torch 2.13): use zero=1"
-        ) from error
 
 
 class Checkpointing:

@@ -21,7 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import pipetrain
-from pipetrain.runtime.sharding import _private
+from pipetrain.runtime.fsdp_parts import private
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, tied_model, token_batches
 
@@ -396,4 +396,4 @@ def test_fsdp2_state_missing_from_another_torch_is_an_error_naming_the_version()
     """A split backward at zero 2 and 3 reads FSDP2 state that torch keeps private: where a
     torch lacks it, the error says which part, which torch, and what runs instead."""
     with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} lacks")):
-        _private(object(), "_fsdp_param_groups")
+        private(object(), "_fsdp_param_groups")
