@@ -19,11 +19,11 @@ import argparse
 from pathlib import Path
 
 import torch
+from text import CORPUS  # a sibling: the script's folder is on sys.path, the root need not be
 
 import partitioner
 import pipetrain
 import pipetrain.hf
-from examples.text import CORPUS
 from pipetrain.hf.task import layers, text
 from pipetrain.tools.meta_profile import profile
 

@@ -1,5 +1,9 @@
 """The causal-LM loss of a Hugging Face model, token-weighted across micro-batches.
 
+In a pipeline, plain labels are enough: the loss takes ``num_items_in_batch``, the mini-batch's
+counted tokens over every replica (pipetrain/runtime/loss_items.py). What follows is the older
+way, kept working: targets that carry the count themselves.
+
 transformers' loss is the cross-entropy of each token's logits against the next token's label
 (labels shifted left by one inside the loss, -100 ignored), summed and divided by the number
 of counted tokens. A pipeline computes the loss per micro-batch and divides each by the number
@@ -36,17 +40,35 @@ def causal_lm_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return labels, torch.full((rows,), weight, dtype=torch.float64, device=labels.device)
 
 
-def causal_lm_loss(
-    logits: torch.Tensor, target: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """transformers' causal-LM loss of ``logits`` (batch, seq, vocab). ``target`` from
-    :func:`causal_lm_targets` gives the mini-batch's token mean across micro-batches; plain
-    ``labels`` give the mean over these rows' counted tokens (the same with one micro-batch)."""
-    labels, weight = target if isinstance(target, tuple | list) else (target, None)
-    shifted = _shifted(labels)
-    total = functional.cross_entropy(
-        logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    if weight is None:
-        return total / (shifted != IGNORE).sum()
-    return total * (weight[0] / labels.shape[0]).to(total.dtype)
+class CausalLMLoss:
+    """transformers' causal-LM loss of ``logits`` (batch, seq, vocab) against ``target``, the
+    labels (or ``causal_lm_targets``' pair). In a pipeline it takes ``num_items_in_batch``
+    (pipetrain/runtime/loss_items.py): the whole mini-batch's counted tokens over every
+    replica, so plain labels give transformers' loss and gradient at any chunks, padding and
+    replica count. Called alone: the mean over these rows' counted tokens, or with the pair the
+    share of the mini-batch's token mean ``causal_lm_targets`` describes."""
+
+    def __call__(
+        self, logits: torch.Tensor, target: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        num_items_in_batch: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
+        labels, weight = target if isinstance(target, tuple | list) else (target, None)
+        shifted = _shifted(labels)
+        total = functional.cross_entropy(
+            logits.float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE,
+            reduction="sum",
+        )
+        if num_items_in_batch is not None:
+            return total / num_items_in_batch
+        if weight is None:
+            return total / (shifted != IGNORE).sum()
+        return total * (weight[0] / labels.shape[0]).to(total.dtype)
+
+    @staticmethod
+    def count_items(target: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The tokens of ``target``'s labels that the loss counts (the shifted, not -100)."""
+        labels = target[0] if isinstance(target, tuple | list) else target
+        return (_shifted(labels) != IGNORE).sum()
+
+
+causal_lm_loss = CausalLMLoss()

@@ -58,9 +58,18 @@ def sequential(model: Any) -> CausalLMLayers:
             f"pipetrain.hf.sequential takes a transformers *ForCausalLM (a model with a config "
             f"and an output head), got {type(model).__name__}"
         )
+    bases = [(n, m) for n, m in model.named_children() if m is model.base_model]
+    heads = [n for n, m in model.named_children() if m is head]
+    seq2seq = getattr(config, "is_encoder_decoder", False)
+    if seq2seq or len(bases) != 1 or len(heads) != 1:
+        why = "an encoder-decoder" if seq2seq else "its base model and head are not its children"
+        raise TypeError(
+            f"pipetrain.hf.sequential takes a causal LM (a decoder stack under an output head, "
+            f"as *ForCausalLM), and {type(model).__name__} is not one ({why}): load it with "
+            "AutoModelForCausalLM, or build an nn.Sequential by hand"
+        )
     _refuse_extras(config)
-    (base_name, base), = [(n, m) for n, m in model.named_children() if m is model.base_model]
-    (head_name,) = [n for n, m in model.named_children() if m is head]
+    (base_name, base), (head_name,) = bases[0], heads
     plan = list(getattr(config, "base_model_pp_plan", None) or ())
     stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:

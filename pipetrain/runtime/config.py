@@ -96,7 +96,12 @@ class PipelineConfig:
     def loss_divisor(self) -> int:
         """The micro-batches of one update, whose mean loss each backward's gradients are
         of: every micro-batch is an update of its own under PipeDream, else the mini-batch."""
-        return 1 if lookup(self.schedule).update_per_microbatch else self.chunks
+        return 1 if self.update_per_microbatch else self.chunks
+
+    @property
+    def update_per_microbatch(self) -> bool:
+        """Whether every micro-batch is an update of its own (PipeDream)."""
+        return lookup(self.schedule).update_per_microbatch
 
     @property
     def asynchronous(self) -> bool:

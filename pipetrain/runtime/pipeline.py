@@ -27,6 +27,7 @@ from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.layers import LayerSource
+from pipetrain.runtime.loss_items import LossItems, takes_items
 from pipetrain.runtime.metrics import StepMetrics
 from pipetrain.runtime.options import RENAMED, PipelineOptions, checked, renamed, with_options
 from pipetrain.runtime.placement import Placement
@@ -236,6 +237,12 @@ class Pipeline:
             else [None] * len(self.transports)
         )
         self._runner = Runner(world, self.stages, self.chunks, self.timeout, recorders)
+        last = [stage for stage in self.stages if stage.is_last]
+        self._items = (  # the mini-batch's count for a loss that takes num_items_in_batch
+            LossItems(last[0], config.loss_divisor, world.replica_group(), config.timeout)
+            if last and takes_items(config.loss_fn) and not config.update_per_microbatch
+            else None
+        )
         self._metrics = StepMetrics(world, config.progress, self._update)
         self.step = 0  # training steps done (restored with a checkpoint)
         self._checkpoints = checkpointing.Checkpoints()
@@ -327,6 +334,8 @@ class Pipeline:
             warn_other_microbatch(self._unchecked_microbatch, batch, self.chunks)
             self._unchecked_microbatch = None  # once: the first step's
         lr = learning_rate(self.stages)  # the rate this step trains with
+        if self._items is not None:
+            self._items.count(y)
         if self._update is not None:  # synchronous: the list ends with the step's actions
             self._update.begin(self.step + 1)
             start = time.perf_counter()  # zeroing the gradients is no part of the step

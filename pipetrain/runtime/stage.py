@@ -175,6 +175,15 @@ class Stage:
     def loss_divisor(self) -> int:
         return self._slice.loss_divisor
 
+    @property
+    def num_items(self) -> torch.Tensor | None:
+        """The loss's ``num_items_in_batch`` this step (loss_items.py); None: not taken."""
+        return self._slice.num_items
+
+    @num_items.setter
+    def num_items(self, value: torch.Tensor | None) -> None:
+        self._slice.num_items = value
+
     # the other parts'
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

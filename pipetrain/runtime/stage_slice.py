@@ -88,6 +88,8 @@ class StageSlice:
         # False: autocast keeps no weight-cast cache (sharded weights, CUDA graph replays)
         self.autocast_cache = True
         self.own_versions = False  # a forward modified an input in place (see _own_version)
+        # the loss's num_items_in_batch this step, where it takes one (loss_items.py)
+        self.num_items: torch.Tensor | None = None
 
     @property
     def is_first(self) -> bool:
@@ -137,7 +139,12 @@ class StageSlice:
         if self.loss_fn is None:
             raise ValueError("training needs loss_fn: pass Pipeline(..., loss_fn=...)")
         self.at.position = len(self.module)  # past the last layer: the loss is to blame
-        loss = self.loss_fn(output, target)  # type: ignore[arg-type]
+        if self.num_items is None:
+            loss = self.loss_fn(output, target)  # type: ignore[arg-type]
+        else:
+            loss = self.loss_fn(
+                output, target, num_items_in_batch=self.num_items  # type: ignore[call-arg, arg-type]
+            )
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 "loss_fn must return a scalar tensor (use reduction='mean'), "

@@ -132,3 +132,20 @@ def test_a_window_is_used_as_the_models_forward_uses_it(name: str) -> None:
     ids, mask, _ = batch()
     assert torch.equal(hf.sequential(m)((ids, mask)),
                        m(ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("built", ["bert", "t5"])
+def test_a_model_that_is_no_causal_lm_is_refused_as_such(built: str) -> None:
+    """BERT (a masked LM: its head sits inside ``cls``) and T5 (an encoder-decoder) are named
+    as no causal LM, not met by an unpacking error."""
+    if built == "bert":
+        m = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=16))
+        why = "its base model and head are not its children"
+    else:
+        m = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+        why = "an encoder-decoder"
+    with pytest.raises(TypeError, match=f"is not one \\({why}\\).*AutoModelForCausalLM"):
+        hf.sequential(m)
