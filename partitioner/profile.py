@@ -25,7 +25,12 @@ A layer may also carry ``"timed_as": "NAME"``: its times are those measured on t
 (an identical block earlier in the same run, timed once by a profile of a meta-device model),
 and ``"tied_bytes": N`` (0 when absent): N of its ``param_bytes`` are weights that another
 layer holds too (a token embedding and the head reading it), which ZeRO 2 and 3 keep whole on
-every replica when the two layers are on different stages.
+every replica when the two layers are on different stages. ``"saved_bytes": N`` (absent in
+older profiles: the planner then counts ``activation_bytes``) is what the layer's forward saves
+for its backward, parameters left out, counted once along the chain (a layer's input that the
+layer before already saved as its output is that layer's), and ``"saved_input_bytes": N`` the
+part of it that is the layer's input: a stage starting at the layer holds its received input
+instead.
 
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
@@ -62,7 +67,9 @@ class LayerCost:
     not measured), large when the machine was busy while profiling. ``timed_as`` names the
     layer whose measured times this one reuses (an identical block earlier in the same run of
     blocks, timed once), or is None where the layer was timed itself. ``tied_bytes``: the part
-    of ``param_bytes`` that another layer holds too (a tied weight).
+    of ``param_bytes`` that another layer holds too (a tied weight). ``saved_bytes``: what its
+    forward saves for the backward (None: not measured, read as ``activation_bytes``), of which
+    ``saved_input_bytes`` is its input.
     """
 
     name: str
@@ -75,6 +82,14 @@ class LayerCost:
     spread: float = 0.0
     timed_as: str | None = None
     tied_bytes: int = 0
+    saved_bytes: int | None = None
+    saved_input_bytes: int = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        """What a micro-batch's forward of this layer leaves for its backward: the measured
+        ``saved_bytes``, or (older profiles) the output."""
+        return self.activation_bytes if self.saved_bytes is None else self.saved_bytes
 
     def __post_init__(self) -> None:
         for what in ("forward", "backward"):
@@ -83,9 +98,16 @@ class LayerCost:
         if not self.spread >= 0:
             raise ValueError(f"layer {self.name!r}: spread must be >= 0, got {self.spread}")
         for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes",
-                     "tied_bytes"):
+                     "tied_bytes", "saved_input_bytes"):
             if getattr(self, what) < 0:
                 raise ValueError(f"layer {self.name!r}: {what} must be >= 0")
+        if self.saved_bytes is not None and self.saved_bytes < 0:
+            raise ValueError(f"layer {self.name!r}: saved_bytes must be >= 0")
+        if self.saved_input_bytes > self.kept_bytes:
+            raise ValueError(
+                f"layer {self.name!r}: saved_input_bytes ({self.saved_input_bytes}) is part of "
+                f"saved_bytes ({self.kept_bytes}): it cannot exceed it"
+            )
         if self.tied_bytes > self.param_bytes:
             raise ValueError(
                 f"layer {self.name!r}: tied_bytes ({self.tied_bytes}) is part of param_bytes "
@@ -194,12 +216,14 @@ class Profile:
 
 def _layer_dict(layer: LayerCost) -> dict[str, Any]:
     """A layer as JSON; ``timed_as`` only where times were reused, ``tied_bytes`` only where
-    weights are tied (files stay as they were)."""
+    weights are tied, the saved bytes only where measured (files stay as they were)."""
     data = asdict(layer)
-    if data["timed_as"] is None:
-        del data["timed_as"]
-    if not data["tied_bytes"]:
-        del data["tied_bytes"]
+    for key in ("timed_as", "saved_bytes"):
+        if data[key] is None:
+            del data[key]
+    for key in ("tied_bytes", "saved_input_bytes"):
+        if not data[key]:
+            del data[key]
     return data
 
 

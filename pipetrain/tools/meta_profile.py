@@ -1,7 +1,8 @@
 """Profile a model built on the meta device, never holding more than one layer of it.
 
-Bytes come from shapes: parameter bytes from the meta parameters, activation bytes from a
-forward pass on the meta device (no data, no time). Times come from building one layer at a
+Bytes come from shapes: parameter bytes from the meta parameters, activation bytes and what
+each layer saves for its backward (pipetrain.tools.saved) from a forward pass on the meta
+device (no data, no time). Times come from building one layer at a
 time: a copy of the layer is materialized on the device (random values, then its modules'
 ``reset_parameters()``), its forward and backward are timed as ``pipetrain.tools.profiler`` times
 them, and the copy is freed before the next layer. With ``reuse_times`` a run of identical
@@ -23,6 +24,7 @@ from torch import nn
 from partitioner import LayerCost, Profile
 from pipetrain.runtime.planning import layer_signature
 from pipetrain.tools import profiler
+from pipetrain.tools.saved import ChainCount, saved_tensors
 from pipetrain.training.lazy import is_meta, reset_layer
 
 
@@ -127,17 +129,22 @@ def _profile_meta(
     layers: list[LayerCost] = []
     previous: tuple[str, LayerCost] | None = None
     modes = [m.training for m in model.modules()]
+    chain = ChainCount()
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         model.train()
         for index, (name, layer) in enumerate(zip(names, model, strict=True)):
+            record = saved_tensors(layer.parameters())
             try:
-                output = layer(_leaves(meta, flags))
+                given = _leaves(meta, flags)
+                with record.recording():
+                    output = layer(given)
             except Exception as error:
                 raise ValueError(
                     f"layer {index} ({name}) cannot run on the meta device (on an input of "
                     f"{profiler.describe(meta)}): {type(error).__name__}: {error}; profile the "
                     "model built on a real device"
                 ) from error
+            chain.add(record, profiler.tensors_of(given), profiler.tensors_of(output))
             key = _key(layer, meta)
             params = list(layer.parameters())
             trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -146,7 +153,8 @@ def _profile_meta(
                 activation_bytes=profiler.nbytes(output), param_count=counts[index],
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 optimizer_state_bytes=profiler.OPTIMIZER_STATE[optimizer] * trained,
-                tied_bytes=tied[index],
+                tied_bytes=tied[index], saved_bytes=chain.counts[-1][0],
+                saved_input_bytes=chain.counts[-1][1],
             )
             if reuse_times and previous is not None and previous[0] == key:
                 timed = previous[1]

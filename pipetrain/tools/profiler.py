@@ -47,6 +47,7 @@ from torch import nn
 
 from partitioner import LayerCost, Profile
 from pipetrain.runtime.planning import layer_signature
+from pipetrain.tools.saved import ChainCount, saved_tensors
 
 # Optimizer state per parameter byte: plain SGD keeps nothing, momentum one buffer, Adam two.
 OPTIMIZER_STATE = {
@@ -208,8 +209,9 @@ class _LayerRun:
         self.forward: list[float] = []
         self.backward: list[float] = []
 
-    def run(self, device: torch.device, record: bool) -> object:
-        """Forward and backward once (timed into the lists if ``record``); the output."""
+    def run(self, device: torch.device, record: bool, chain: ChainCount | None = None) -> object:
+        """Forward and backward once (timed into the lists if ``record``); the output. With
+        ``chain``, what the forward saves for the backward is counted into it."""
         try:
             # A fresh copy per run: an in-place layer must not change the stored input.
             inputs = _map(self.leaves, lambda t: t.clone())
@@ -217,7 +219,13 @@ class _LayerRun:
                 t.grad = None
             clock = _Clock(device)
             clock.mark()
-            output = self.layer(inputs)
+            if chain is None:
+                output = self.layer(inputs)
+            else:
+                saved = saved_tensors(self.layer.parameters())
+                with saved.recording():
+                    output = self.layer(inputs)
+                chain.add(saved, tensors_of(inputs), tensors_of(output))
             clock.mark()
             outs = [t for t in tensors_of(output) if t.requires_grad]
             if self.grads is None:  # made once, outside the timing
@@ -285,9 +293,10 @@ def profile(
         # touch all layers alike and each layer runs after its predecessor, as in training.
         flags = [t.requires_grad for t in tensors_of(value)]
         outputs = []
+        chain = ChainCount()
         for index, (name, layer) in enumerate(zip(names, model, strict=True)):
             runs.append(_LayerRun(index, name, layer, value, flags))
-            output = runs[-1].run(where, record=warmup == 0)
+            output = runs[-1].run(where, record=warmup == 0, chain=chain)
             outputs.append(nbytes(output))
             flags = [t.requires_grad for t in tensors_of(output)]
             value = _map(output, lambda t: t.detach())
@@ -297,7 +306,9 @@ def profile(
     result = Profile(
         device=device_name(where),
         batch_size=batch_size,
-        layers=_layer_costs(runs, counts, outputs, OPTIMIZER_STATE[optimizer], tied_bytes(model)),
+        layers=_layer_costs(
+            runs, counts, outputs, OPTIMIZER_STATE[optimizer], tied_bytes(model), chain.counts
+        ),
         input_bytes=sum(t.numel() * t.element_size() for t in inputs),
     )
     more = max(2 * repeats, 10)
@@ -325,11 +336,14 @@ def tied_bytes(model: nn.Sequential) -> list[int]:
 
 def _layer_costs(
     runs: list[_LayerRun], counts: list[int], outputs: list[int], state_factor: int,
-    tied: list[int],
+    tied: list[int], saved: list[tuple[int, int]],
 ) -> list[LayerCost]:
-    """Each timed layer's costs: median times, their spread, output, weight and tied bytes."""
+    """Each timed layer's costs: median times, their spread, output, weight, tied and saved
+    bytes."""
     layers = []
-    for run, count, size, shared in zip(runs, counts, outputs, tied, strict=True):
+    for run, count, size, shared, (kept, kept_input) in zip(
+        runs, counts, outputs, tied, saved, strict=True
+    ):
         params = list(run.layer.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -344,6 +358,8 @@ def _layer_costs(
                 optimizer_state_bytes=state_factor * trained,
                 spread=spread([f + b for f, b in zip(run.forward, run.backward, strict=True)]),
                 tied_bytes=shared,
+                saved_bytes=kept,
+                saved_input_bytes=kept_input,
             )
         )
     return layers

@@ -30,9 +30,12 @@ def test_meta_profile_has_the_eager_profiles_bytes() -> None:
     assert is_meta(model)  # the caller's model is never built
     for a, b in zip(lazy.layers, eager.layers, strict=True):
         assert (a.name, a.param_count, a.param_bytes, a.activation_bytes,
-                a.optimizer_state_bytes, a.tied_bytes) == (
+                a.optimizer_state_bytes, a.tied_bytes, a.saved_input_bytes) == (
                     b.name, b.param_count, b.param_bytes, b.activation_bytes,
-                    b.optimizer_state_bytes, b.tied_bytes)
+                    b.optimizer_state_bytes, b.tied_bytes, b.saved_input_bytes)
+        # On the meta device attention takes the math path (it saves its score matrices),
+        # on the CPU the fused kernel (its output and log-sum-exp): a few % apart at this size.
+        assert a.saved_bytes == pytest.approx(b.saved_bytes, rel=0.1)
         assert a.forward > 0 and a.backward > 0 and a.timed_as is None
     assert lazy.layers[0].tied_bytes == lazy.layers[-1].tied_bytes > 0  # the embedding's tie
     assert "meta device" in lazy.device

@@ -49,6 +49,18 @@ def test_tuple_input_in_place_layers_and_frozen_parameters():
     assert torch.equal(a + b, model[0]((a, b)))  # the in-place layers left the input alone
 
 
+def test_saved_bytes_count_each_kept_tensor_once_along_the_chain():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    result = profile(model, torch.randn(5, 6), warmup=0, repeats=1)
+    first, relu, last = result.layers
+    # Linear keeps its input, ReLU its output; the last Linear's input is ReLU's output,
+    # already counted there, so it adds nothing.
+    assert (first.saved_bytes, first.saved_input_bytes) == (5 * 6 * 4, 5 * 6 * 4)
+    assert (relu.saved_bytes, relu.saved_input_bytes) == (5 * 8 * 4, 0)
+    assert (last.saved_bytes, last.saved_input_bytes) == (0, 0)
+    assert last.kept_bytes == 0 and last.activation_bytes == 5 * 3 * 4
+
+
 def test_a_failing_layer_is_named():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(5, 2))
     with pytest.raises(ValueError, match=r"layer 2 \(2:Linear\) failed on an input of \(3, 4\)"):
