@@ -108,7 +108,8 @@ def quiet_io_threads() -> Iterator[None]:
     until its time slice ends: the compute waits milliseconds for nothing. In the idle class
     it never preempts, and runs whenever the compute thread blocks (on a wait for a message,
     which is when the I/O is needed). Ranks that share processors are left alone: there an
-    idle I/O thread would wait for the neighbour's compute.
+    idle I/O thread would wait for the neighbour's compute. gloo in torch <= 2.10 leaves its
+    I/O threads unnamed: there this finds none and changes nothing.
     """
     before = _io_threads()
     yield

@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -70,6 +71,11 @@ def _quiet_pipeline(rank: int, world: int, port: int, local_world: int) -> dict:
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 processors to give each rank its own")
+@pytest.mark.skipif(
+    torch.__version__ < "2.11",  # torch.torch_version.TorchVersion compares as a version
+    reason="gloo in torch <= 2.10 leaves its I/O threads unnamed (no gloo_tcp_loop), so there "
+    "are none to find and quiet: a speed-up such a torch does without",
+)
 @pytest.mark.parametrize("shared", [False, True], ids=["own-processors", "shared-processors"])
 def test_pinned_ranks_with_processors_of_their_own_run_the_pipelines_io_idle(shared):
     # one rank more per node than processors: pinned round robin, shared, left alone
