@@ -158,6 +158,38 @@ def interleaved(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Sche
     )
 
 
+def _looped_bfs_order(rank: int, ranks: int, microbatches: int, chunks: int) -> list[Action]:
+    """Rank r's order under looped BFS: every micro-batch's forward through its first stage,
+    then its next stage, ...; then the backwards, last stage first, micro-batches in order."""
+    own = [c * ranks + rank for c in range(chunks)]
+    order = [Action(Kind.FORWARD, s, i) for s in own for i in range(microbatches)]
+    return order + [Action(Kind.BACKWARD, s, i) for s in reversed(own) for i in range(microbatches)]
+
+
+def looped_bfs(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
+    """Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023; torch's
+    ``ScheduleLoopedBFS``): v stages per rank placed as in interleaved 1F1B (stage ``c * p +
+    r`` on rank r), each run breadth first: all m micro-batches through one local stage before
+    the next, then the backwards the same way in reverse.
+
+    Each stage's weights serve m micro-batches in a row (torch pairs it with FSDP for that:
+    a sharded stage can gather once per pass, not once per micro-batch). Uniform, free transfers and
+    m >= p give interleaved's bubble, (p-1)/(v m + p - 1); the price is GPipe's memory, every
+    micro-batch's activations of every local stage (m v) before the first backward. Any
+    micro-batch count runs (no multiple of p needed)."""
+    check_sizes(ranks, microbatches)
+    if chunks_per_rank < 1:
+        raise ValueError(
+            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
+        )
+    stages = ranks * chunks_per_rank
+    return from_order(
+        "looped-bfs", stages, microbatches,
+        lambda r: _looped_bfs_order(r, ranks, microbatches, chunks_per_rank),
+        placement=[s % ranks for s in range(stages)],
+    )
+
+
 # -- zero bubble (Qi et al. 2023) ---------------------------------------------------------------
 
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from schedules.action import Kind, Schedule
 from schedules.asynchronous import pipedream, pipedream_2bw, unroll
-from schedules.generators import gpipe, interleaved, one_f_one_b, zero_bubble_h1, zero_bubble_h2
+from schedules.generators import (
+    gpipe,
+    interleaved,
+    looped_bfs,
+    one_f_one_b,
+    zero_bubble_h1,
+    zero_bubble_h2,
+)
 from schedules.validate import validate
 
 DEFAULT_SCHEDULE = "1f1b"
@@ -70,6 +77,12 @@ def _one_f_one_b_inflight(stage: int, stages: int, microbatches: int) -> int:
     return min(microbatches, stages - stage)
 
 
+def _looped_bfs_inflight(stage: int, stages: int, microbatches: int) -> int:
+    """Looped BFS: every micro-batch, as in GPipe (its first backward follows its last
+    forward on each stage)."""
+    return microbatches
+
+
 def _stream_inflight(stage: int, stages: int, microbatches: int) -> int:
     """PipeDream's endless 1F1B stream: stage s always has p - s micro-batches in flight."""
     return stages - stage
@@ -84,6 +97,9 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec("gpipe", gpipe, checkpoint="except_last", inflight=_gpipe_inflight),
         ScheduleSpec("1f1b", one_f_one_b, inflight=_one_f_one_b_inflight),
         ScheduleSpec("interleaved", interleaved, multi_stage_per_rank=True),
+        ScheduleSpec(
+            "looped-bfs", looped_bfs, multi_stage_per_rank=True, inflight=_looped_bfs_inflight
+        ),
         ScheduleSpec("zb-h1", zero_bubble_h1, split_backward=True),
         ScheduleSpec("zb-h2", zero_bubble_h2, split_backward=True),
         ScheduleSpec(

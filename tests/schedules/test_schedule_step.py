@@ -14,6 +14,7 @@ from schedules import (
     Kind,
     ScheduleError,
     build,
+    lookup,
     names,
     simulate,
     validate,
@@ -26,7 +27,8 @@ SYNCHRONOUS = [n for n in names() if not n.startswith("pipedream")]
 
 
 def _build(name: str, stages: int = 4, microbatches: int = 4):
-    return build(name, stages, microbatches, ranks=2 if name == "interleaved" else None)
+    ranks = 2 if lookup(name).multi_stage_per_rank else None
+    return build(name, stages, microbatches, ranks=ranks)
 
 
 def _steps_only(schedule):
