@@ -11,6 +11,7 @@ init_distributed(pin_cores=True) does; --no-pin leaves placement to the OS), ran
   pipetrain-interleaved    2p stages of 16/p layers, stage c*p+r on rank r
   pipetrain-looped-bfs     the same 2p stages and placement, each rank's stages breadth first
   pipetrain-zb-h1/-h2      p stages of 32/p layers, backward split into B and W
+  pipetrain-zbv            2p stages in a V (rank r: stages r, 2p-1-r), backward split
   torch-interleaved-1f1b   ScheduleInterleaved1F1B, same 2p stages, same placement
   torch-interleaved-zb     ScheduleInterleavedZeroBubble, same 2p stages
   torch-looped-bfs         ScheduleLoopedBFS, same 2p stages, same placement
@@ -20,7 +21,7 @@ Variants alternate: every round runs each variant for a few steps, the order rot
 to round; a step's time is the slowest rank's; the table gives the median over all timed steps,
 and "vs peer" torch's same schedule's median over pipetrain's (interleaved against
 ScheduleInterleaved1F1B, looped BFS against ScheduleLoopedBFS, ZB-H1 against
-ScheduleInterleavedZeroBubble, ZB-H2 against ScheduleZBVZeroBubble). From the traces of the
+ScheduleInterleavedZeroBubble, ZB-H2 and ZB-V against ScheduleZBVZeroBubble). From the traces of the
 timed steps: "measured bubble" is 1 - compute / (ranks x step), the step running from its first
 action's start to its last action's end on any rank, compute being F+B+W; "simulated" is the
 same step's simulated twin (pipetrain.observe.trace.simulated_twin: the schedule simulated with
@@ -61,10 +62,11 @@ from timing import rotation
 WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
 DRAWS = 10  # twins with drawn action times per traced step
-PIPETRAIN = ("1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2")
+PIPETRAIN = ("1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv")
 TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv", "torch-looped-bfs")
 PEER = {  # torch's same schedule
     "interleaved": TORCH[0], "zb-h1": TORCH[1], "zb-h2": TORCH[2], "looped-bfs": TORCH[3],
+    "zbv": TORCH[2],
 }
 
 
@@ -97,7 +99,7 @@ class _Pipetrain:
     def __init__(self, schedule: str, ranks: int, x, y, trace: str):
         import pipetrain
 
-        stages = ranks * (2 if schedule in ("interleaved", "looped-bfs") else 1)
+        stages = ranks * (2 if schedule in ("interleaved", "looped-bfs", "zbv") else 1)
         self.pipe = pipetrain.Pipeline(
             linear_model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
             recompute="never", loss_fn=mse, optimizer=_sgd, timeout=120, trace=trace,

@@ -82,7 +82,7 @@ def plan(
     count: int | None = None if isinstance(devices, nx.Graph) else devices
     ranks: list[list[int]] = []
     use_ilp = solver == "ilp"
-    interleaved = _check_devices(schedule, devices)
+    _check_devices(schedule, devices)
     if isinstance(devices, nx.Graph):
         speed, caps, links, ranks = _on_graph(devices, stages, cap, link)
         use_ilp = use_ilp or (solver == "auto" and not is_uniform(devices))
@@ -101,7 +101,7 @@ def plan(
         zero=zero,
     )
     split = _solve(problem, use_ilp, schedule, checkpoint)
-    ranks = ranks or _ranks(split, interleaved, virtual_stages, cap)
+    ranks = ranks or _ranks(split, schedule, microbatches, virtual_stages, cap)
     size = profile.batch_size if microbatch_size is None else microbatch_size
     return _make_plan(
         profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
@@ -110,29 +110,29 @@ def plan(
 
 
 def _ranks(
-    split: Split, interleaved: bool, virtual_stages: int, cap: int | None
+    split: Split, schedule: str, microbatches: int, virtual_stages: int, cap: int | None
 ) -> list[list[int]]:
-    """Each stage's ranks: under "interleaved" stage s on rank s mod ranks (their memory
-    checked together against ``cap``), else consecutive ranks, as many as its replicas."""
+    """Each stage's ranks: where the schedule puts several stages on a rank, its placement
+    (their memory checked together against ``cap``), else consecutive ranks, as many as its
+    replicas."""
     stages = len(split.replicas)
-    if interleaved:
-        ranks = [[t % (stages // virtual_stages)] for t in range(stages)]
+    if lookup(schedule).multi_stage_per_rank:
+        placement = pipeline_schedule(schedule, stages, microbatches, virtual_stages).placement
+        ranks = [[rank] for rank in placement]
         _check_rank_memory(split.stages, ranks, cap)
         return ranks
     first = [sum(split.replicas[:t]) for t in range(stages)]
     return [list(range(a, a + r)) for a, r in zip(first, split.replicas, strict=True)]
 
 
-def _check_devices(schedule: str, devices: int | nx.Graph | None) -> bool:
-    """Whether ``schedule`` puts several stages on a rank, which it places itself: then
-    ``devices`` is refused."""
-    interleaved = lookup(schedule).multi_stage_per_rank
-    if interleaved and devices is not None:
+def _check_devices(schedule: str, devices: int | nx.Graph | None) -> None:
+    """Refuse ``devices`` where ``schedule`` puts several stages on a rank: it places them
+    itself."""
+    if lookup(schedule).multi_stage_per_rank and devices is not None:
         raise ValueError(
             f"schedule {schedule!r} places its stages on stages / virtual_stages ranks itself; "
             "leave out devices (replicas and device graphs are for one stage per rank)"
         )
-    return interleaved
 
 
 def _on_graph(

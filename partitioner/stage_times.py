@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from partitioner.costs import pipeline_schedule
 from partitioner.planner import cut_layers, predict, stage_costs
 from partitioner.plans import Host, Plan
 from partitioner.profile import Profile
@@ -34,6 +35,13 @@ class StageTimes:
     host: Host = field(default_factory=Host)
     virtual_stages: int = 2
     refused_cuts: list[int] = field(default_factory=list)  # cuts the profile does not allow
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Each stage's rank under the schedule (several stages share one where it says)."""
+        built = pipeline_schedule(self.schedule, len(self.balance), self.microbatches,
+                                  self.virtual_stages)
+        return built.placement
 
     def predict(self) -> Simulation:
         """The planner's prediction of one step with these costs."""

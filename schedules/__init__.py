@@ -35,6 +35,7 @@ from schedules.registry import (
 from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
 from schedules.validate import validate
+from schedules.vshape import v_placement, zbv
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -68,9 +69,11 @@ __all__ = [
     "step_tail",
     "unregister",
     "unroll",
+    "v_placement",
     "validate",
     "with_early_weights",
     "with_step_tail",
     "zero_bubble_h1",
     "zero_bubble_h2",
+    "zbv",
 ]

@@ -23,6 +23,7 @@ from schedules.generators import (
     zero_bubble_h2,
 )
 from schedules.validate import validate
+from schedules.vshape import zbv
 
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule a Pipeline, a plan and a simulation use when none is named: the only place
@@ -55,7 +56,8 @@ class ScheduleSpec:
     ``inflight(stage, stages, microbatches)`` is the most micro-batches whose activations a
     stage holds at once (DeepSpeed's ``num_pipe_buffers``); None counts it along the generated
     lists. ``runnable`` is False for a schedule that can be validated and simulated but that the
-    runtime does not execute.
+    runtime does not execute. ``stages_per_rank`` fixes how many stages a multi-stage schedule
+    puts on each rank (2 for a V), None where any count runs.
     """
 
     name: str
@@ -67,6 +69,7 @@ class ScheduleSpec:
     checkpoint: str = "never"
     inflight: InflightRule | None = None
     runnable: bool = True
+    stages_per_rank: int | None = None
 
 
 def _gpipe_inflight(stage: int, stages: int, microbatches: int) -> int:
@@ -102,6 +105,9 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec("zb-h1", zero_bubble_h1, split_backward=True),
         ScheduleSpec("zb-h2", zero_bubble_h2, split_backward=True),
+        ScheduleSpec(
+            "zbv", zbv, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
+        ),
         ScheduleSpec(
             "pipedream", pipedream, asynchronous=True, update_per_microbatch=True,
             inflight=_stream_inflight,
@@ -191,6 +197,12 @@ def _chunks(name: str, stages: int, microbatches: int, ranks: int | None) -> tup
         raise ValueError(
             f"schedule {name!r} puts the same number of stages on every rank: stages={stages} "
             f"is not a positive multiple of ranks={ranks}"
+        )
+    fixed = lookup(name).stages_per_rank
+    if fixed is not None and stages != fixed * ranks:
+        raise ValueError(
+            f"schedule {name!r} puts {fixed} stages on each rank: with ranks={ranks} it needs "
+            f"stages={fixed * ranks}, got {stages}"
         )
     return ranks, microbatches, stages // ranks
 

@@ -58,9 +58,7 @@ def _stage_rows(c: StageTimes, result: Simulation) -> list[str]:
         header += f" {'memory':>11}"
     rows = [header]
     start = 0
-    ranks = len(result.busy)  # fewer than the stages when several run on a rank
-    for t, count in enumerate(c.balance):
-        rank = t % ranks
+    for t, (count, rank) in enumerate(zip(c.balance, c.placement, strict=True)):
         row = (
             f"{t:>5} {start:>5}-{start + count - 1:<5} {ms(c.forward[t]):>10} "
             f"{ms(c.backward[t]):>11} {ms(c.transfer[t]) if t < len(c.transfer) else '-':>8} "

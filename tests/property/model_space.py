@@ -357,12 +357,17 @@ def draw_case(choose: Chooser, ranks: int | None = None, most_layers: int = 8,
     """A case; ``ranks`` fixes the number of devices (processes), else 1-``most_stages``
     stages; ``leave_out`` and ``schedules`` narrow the space (to hunt one defect at a time)."""
     model = draw_model(choose, most_layers, leave_out)
-    schedule = choose.choice(schedules)
     layers = len(model)
+    schedule = choose.choice([  # a V's two stages per rank need enough layers
+        s for s in schedules if (lookup(s).stages_per_rank or 1) * (ranks or 1) <= layers
+    ])
     if lookup(schedule).multi_stage_per_rank:
+        fixed = lookup(schedule).stages_per_rank  # a V's 2
         placed = ranks if ranks is not None else choose.integer(1, 2)
+        if fixed is not None:
+            placed = min(placed, min(most_stages, layers) // fixed)
         most = max(min(most_stages, layers) // placed, 1)
-        stages = placed * choose.integer(min(2 if placed == 1 else 1, most), most)
+        stages = placed * (fixed or choose.integer(min(2 if placed == 1 else 1, most), most))
         chunks = placed * choose.integer(1, 4 // placed)
     else:
         stages = ranks if ranks is not None else choose.integer(1, min(most_stages, layers))

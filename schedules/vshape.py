@@ -1,0 +1,90 @@
+"""V-shaped schedules: 2p stages folded over p ranks, rank r holding stages r and 2p-1-r.
+
+The model goes down the ranks and comes back up, so the first and the last stage share rank 0:
+the loss's backward starts where the forward began, with no trip back through the pipeline,
+and every rank holds one stage of each leg (Qi et al., "Pipeline Parallelism with Controllable
+Memory", 2024; torch's ``ScheduleZBVZeroBubble``).
+
+:func:`zbv` orders each rank's work by list scheduling on unit times (F = B = W): at each tick
+every rank runs the most urgent action whose inputs are done, a backward before a forward
+before a weight pass, the oldest micro-batch first, a forward only while the rank holds fewer
+than 2p micro-batch-stages not yet freed by their W (1F1B's most on its first rank, p
+micro-batches of two stages' activations). The weight passes fill what would be bubbles.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from schedules.action import Action, Kind, Schedule, check_sizes
+from schedules.generators import from_order
+
+_URGENCY = {Kind.BACKWARD: 0, Kind.FORWARD: 1, Kind.WEIGHT: 2}
+
+
+def v_placement(ranks: int) -> tuple[int, ...]:
+    """Stage s's rank in a V over ``ranks`` ranks: s going down, 2p-1-s coming back up."""
+    return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks))
+
+
+def _inputs(action: Action, stages: int) -> list[Action]:
+    """The computations ``action`` waits for."""
+    s, i = action.stage, action.microbatch
+    if action.kind is Kind.FORWARD:
+        return [Action(Kind.FORWARD, s - 1, i)] if s > 0 else []
+    if action.kind is Kind.BACKWARD:
+        later = [Action(Kind.BACKWARD, s + 1, i)] if s < stages - 1 else []
+        return [Action(Kind.FORWARD, s, i), *later]
+    return [Action(Kind.BACKWARD, s, i)]
+
+
+def _list_schedule(placement: tuple[int, ...], microbatches: int, limit: int) -> list[list[Action]]:
+    """Each rank's compute order under unit-time list scheduling (see the module docstring).
+    Each (stage, kind) runs its micro-batches in order, so only the head of each such queue
+    can be the most urgent ready action of its rank."""
+    stages, ranks = len(placement), max(placement) + 1
+    queues = [
+        [deque(Action(k, s, i) for i in range(microbatches)) for s in range(stages)
+         if placement[s] == r for k in _URGENCY]
+        for r in range(ranks)
+    ]
+    done: set[Action] = set()
+    held = [0] * ranks
+    orders: list[list[Action]] = [[] for _ in range(ranks)]
+    while any(any(q) for q in queues):
+        chosen = []
+        for r in range(ranks):
+            ready = [q for q in queues[r] if q and all(d in done for d in _inputs(q[0], stages))
+                     and (q[0].kind is not Kind.FORWARD or held[r] < limit)]
+            if ready:
+                chosen.append(min(ready, key=lambda q: _rank_key(q[0])).popleft())
+        if not chosen:
+            raise RuntimeError(f"list scheduling stalled under {limit} held per rank")
+        for action in chosen:
+            r = placement[action.stage]
+            orders[r].append(action)
+            held[r] += {Kind.FORWARD: 1, Kind.WEIGHT: -1}.get(action.kind, 0)
+        done.update(chosen)
+    return orders
+
+
+def _rank_key(action: Action) -> tuple[int, int, int]:
+    """Urgency: a backward before a forward before a weight pass, then the oldest micro-batch,
+    then the stage nearer the loss."""
+    return _URGENCY[action.kind], action.microbatch, -action.stage
+
+
+def zbv(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
+    """ZB-V: the V placement with the backward split into B and W, ordered by
+    :func:`_list_schedule`; a rank holds at most 2p micro-batch-stages whose W is pending.
+    With f = b = w, free transfers and m >= 2p its bubble is a small fraction of ZB-H1's on
+    the same model cut into p stages (tests/schedules/test_schedule_vshape.py)."""
+    check_sizes(ranks, microbatches)
+    if chunks_per_rank != 2:
+        raise ValueError(
+            f"zbv folds the model into a V: two stages per rank, got chunks_per_rank="
+            f"{chunks_per_rank}; give len(balance) = 2 x ranks"
+        )
+    placement = v_placement(ranks)
+    orders = _list_schedule(placement, microbatches, limit=2 * ranks)
+    return from_order("zbv", 2 * ranks, microbatches, orders.__getitem__, placement)
