@@ -13,7 +13,7 @@ from partitioner.costs import pipeline_schedule
 from partitioner.planner import cut_layers, predict, stage_costs
 from partitioner.plans import Host, Plan
 from partitioner.profile import Profile
-from schedules import DEFAULT_SCHEDULE, Simulation
+from schedules import DEFAULT_SCHEDULE, Schedule, Simulation
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,10 @@ class StageTimes:
     refused_cuts: list[int] = field(default_factory=list)  # cuts the profile does not allow
 
     @property
-    def placement(self) -> tuple[int, ...]:
-        """Each stage's rank under the schedule (several stages share one where it says)."""
-        built = pipeline_schedule(self.schedule, len(self.balance), self.microbatches,
-                                  self.virtual_stages)
-        return built.placement
+    def built(self) -> Schedule:
+        """The schedule these costs run under, as the prediction builds it."""
+        return pipeline_schedule(self.schedule, len(self.balance), self.microbatches,
+                                 self.virtual_stages)
 
     def predict(self) -> Simulation:
         """The planner's prediction of one step with these costs."""

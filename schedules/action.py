@@ -231,6 +231,12 @@ class Schedule:
         """The stages ``rank`` runs, ascending."""
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
+    def placement_text(self) -> str:
+        """Which stages each rank runs, for a person: "rank 0: stages 0, 3; rank 1: ..."."""
+        return "; ".join(
+            f"rank {r}: stages {', '.join(map(str, self.stages_on(r)))}" for r in range(self.ranks)
+        )
+
     def local(self, stage: int, other: int) -> bool:
         """Whether the hand-off between two stages stays on one rank (no message)."""
         return self.placement[stage] == self.placement[other]

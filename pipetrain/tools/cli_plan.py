@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from partitioner import InfeasibleError, Plan, format_bytes, plan
+from partitioner.costs import pipeline_schedule
 from pipetrain.tools.cli_common import (
     UsageError,
     add_planning_options,
@@ -17,7 +18,7 @@ from pipetrain.tools.cli_common import (
     load_profile,
     save,
 )
-from schedules import DEFAULT_SCHEDULE, lookup, names
+from schedules import DEFAULT_SCHEDULE, Schedule, lookup, names
 
 
 def describe_plan(plan: Plan) -> str:
@@ -34,14 +35,20 @@ def describe_plan(plan: Plan) -> str:
     return head + "\n" + plan.table() + "".join(f"\nnote: {n}" for n in schedule_notes(plan))
 
 
+def _built(plan: Plan) -> Schedule:
+    """The plan's schedule, built as the planner did."""
+    virtual = plan.stages // plan.pipeline_ranks
+    return pipeline_schedule(plan.schedule, plan.stages, plan.microbatches, virtual)
+
+
 def schedule_notes(plan: Plan) -> list[str]:
     """What the prediction assumed of the plan's schedule beyond the profile."""
     notes = []
     if plan.pipeline_ranks < plan.stages:
         notes.append(
             f"{plan.schedule} runs the {plan.stages} stages on {plan.pipeline_ranks} ranks, "
-            f"{plan.stages // plan.pipeline_ranks} virtual stages per rank (stage s on rank "
-            f"s mod {plan.pipeline_ranks}); train with {plan.pipeline_ranks} devices"
+            f"{plan.stages // plan.pipeline_ranks} virtual stages per rank ("
+            f"{_built(plan).placement_text()}); train with {plan.pipeline_ranks} devices"
         )
     if lookup(plan.schedule).split_backward:
         notes.append(

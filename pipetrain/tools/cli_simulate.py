@@ -58,7 +58,7 @@ def _stage_rows(c: StageTimes, result: Simulation) -> list[str]:
         header += f" {'memory':>11}"
     rows = [header]
     start = 0
-    for t, (count, rank) in enumerate(zip(c.balance, c.placement, strict=True)):
+    for t, (count, rank) in enumerate(zip(c.balance, c.built.placement, strict=True)):
         row = (
             f"{t:>5} {start:>5}-{start + count - 1:<5} {ms(c.forward[t]):>10} "
             f"{ms(c.backward[t]):>11} {ms(c.transfer[t]) if t < len(c.transfer) else '-':>8} "
@@ -89,8 +89,8 @@ def simulation_table(c: StageTimes, result: Simulation) -> list[str]:
     ranks = len(result.busy)
     if ranks < len(c.balance):
         rows.append(
-            f"busy, bubble and peak in-flight are those of the stage's rank (stage s runs on "
-            f"rank s mod {ranks})"
+            f"busy, bubble and peak in-flight are those of the stage's rank "
+            f"({c.built.placement_text()})"
         )
         rows.append(f"peak in-flight micro-batches per rank: {list(result.peak_inflight)}")
     else:

@@ -524,3 +524,16 @@ def test_train_refuses_a_function_that_returns_no_task(task_plan, capsys):
     module, plan = task_plan
     code, _, err = run(f"train {module}:not_a_task --plan {plan} --steps 2", capsys)
     assert code == 2 and "returned a Sequential, not a pipetrain.TrainTask" in err, err
+
+
+def test_plan_and_simulate_name_the_ranks_of_a_vs_stages(capsys):
+    """zbv folds 4 stages over 2 ranks as a V: both commands say which stages each rank
+    runs (they used to assume stage s on rank s mod ranks)."""
+    code, out, err = run("plan pipedream:vgg16 --stages 4 --microbatches 8 --schedule zbv", capsys)
+    assert code == 0, err
+    assert "rank 0: stages 0, 3; rank 1: stages 1, 2" in out + err
+    code, out, err = run(
+        "simulate pipedream:vgg16 --balance 10,10,10,10 --microbatches 8 --schedule zbv", capsys
+    )
+    assert code == 0, err
+    assert "(rank 0: stages 0, 3; rank 1: stages 1, 2)" in out
