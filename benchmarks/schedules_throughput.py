@@ -1,5 +1,6 @@
-"""Schedule throughput: pipetrain's interleaved 1F1B, looped BFS, ZB-H1 and ZB-H2 against its
-1F1B and against torch.distributed.pipelining's multi-stage schedules, on 2 and 4 CPU ranks.
+"""Schedule throughput: pipetrain's interleaved 1F1B, looped BFS, ZB-H1, ZB-H2, interleaved ZB
+and ZB-V against its 1F1B and against torch.distributed.pipelining's multi-stage schedules, on
+2 and 4 CPU ranks.
 
 Model: 16 blocks of Linear(512, 512) + ReLU (32 layers), batch 128 in 8 micro-batches, MSE loss,
 SGD, recompute="never", one torch thread per rank, each rank pinned to its share of the
@@ -11,6 +12,7 @@ init_distributed(pin_cores=True) does; --no-pin leaves placement to the OS), ran
   pipetrain-interleaved    2p stages of 16/p layers, stage c*p+r on rank r
   pipetrain-looped-bfs     the same 2p stages and placement, each rank's stages breadth first
   pipetrain-zb-h1/-h2      p stages of 32/p layers, backward split into B and W
+  pipetrain-interleaved-zb 2p stages placed as interleaved's, backward split
   pipetrain-zbv            2p stages in a V (rank r: stages r, 2p-1-r), backward split
   torch-interleaved-1f1b   ScheduleInterleaved1F1B, same 2p stages, same placement
   torch-interleaved-zb     ScheduleInterleavedZeroBubble, same 2p stages
@@ -20,24 +22,25 @@ init_distributed(pin_cores=True) does; --no-pin leaves placement to the OS), ran
 Variants alternate: every round runs each variant for a few steps, the order rotating from round
 to round; a step's time is the slowest rank's; the table gives the median over all timed steps,
 and "vs peer" torch's same schedule's median over pipetrain's (interleaved against
-ScheduleInterleaved1F1B, looped BFS against ScheduleLoopedBFS, ZB-H1 against
-ScheduleInterleavedZeroBubble, ZB-H2 and ZB-V against ScheduleZBVZeroBubble). From the traces of the
-timed steps: "measured bubble" is 1 - compute / (ranks x step), the step running from its first
-action's start to its last action's end on any rank, compute being F+B+W; "simulated" is the
-same step's simulated twin (pipetrain.observe.trace.simulated_twin: the schedule simulated with
-the step's measured per-stage F, B, W and optimizer-step times, each rank's measured runtime
-overhead per action and the step's message latency, pipetrain.observe.trace.message_latency, and
-each rank's entry into the step: ranks leave the barrier before it a few milliseconds apart);
-"twin step" is the twin's step time over the measured one; "drawn" is the twin's bubble with
-each compute and optimizer step taking a time drawn from those its stage measured for that kind
-in the step instead of their mean (simulated_twin(traces, k, rng), mean of DRAWS draws per
-step): on shared cores an action's time strays from its stage's mean by a third to a half of it,
-and a step follows its slow actions, which the mean hides; all averaged over the timed steps.
-With 4 ranks on a 2-core machine the ranks share cores (oversubscribed; pinned round robin,
-ranks 0 and 2 share one core, 1 and 3 the other): the twin then runs each pair on its core
-(processor sharing, with the measured times converted to full speed;
-pipetrain.observe.trace.shared_cores and full_speed). Compute times inflate and bubbles mix with
-waiting for a core, so compare variants within one rank count, not across.
+ScheduleInterleaved1F1B, looped BFS against ScheduleLoopedBFS, ZB-H1 and interleaved ZB against
+ScheduleInterleavedZeroBubble, ZB-H2 and ZB-V against ScheduleZBVZeroBubble). From the traces of
+the timed steps: "measured bubble" is 1 - compute / (ranks x step), the step running from its
+first action's start to its last action's end on any rank, compute being F+B+W; "simulated" is
+the same step's simulated twin (pipetrain.observe.trace.simulated_twin: the schedule simulated
+with the step's measured per-stage F, B, W and optimizer-step times, each rank's measured
+runtime overhead per action and the step's message latency,
+pipetrain.observe.trace.message_latency, and each rank's entry into the step: ranks leave the
+barrier before it a few milliseconds apart); "twin step" is the twin's step time over the
+measured one; "drawn" is the twin's bubble with each compute and optimizer step taking a time
+drawn from those its stage measured for that kind in the step instead of their mean
+(simulated_twin(traces, k, rng), mean of DRAWS draws per step): on shared cores an action's time
+strays from its stage's mean by a third to a half of it, and a step follows its slow actions,
+which the mean hides; all averaged over the timed steps. With 4 ranks on a 2-core machine the
+ranks share cores (oversubscribed; pinned round robin, ranks 0 and 2 share one core, 1 and 3 the
+other): the twin then runs each pair on its core (processor sharing, with the measured times
+converted to full speed; pipetrain.observe.trace.shared_cores and full_speed). Compute times
+inflate and bubbles mix with waiting for a core, so compare variants within one rank count, not
+across.
 
     python benchmarks/schedules_throughput.py             # 2 and 4 ranks, about 1-2 minutes
     python benchmarks/schedules_throughput.py --ranks 2 --rounds 3
@@ -62,11 +65,11 @@ from timing import rotation
 WIDTH, BLOCKS, BATCH, CHUNKS = 512, 16, 128, 8
 LAYERS = 2 * BLOCKS
 DRAWS = 10  # twins with drawn action times per traced step
-PIPETRAIN = ("1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "zbv")
+PIPETRAIN = ("1f1b", "interleaved", "looped-bfs", "zb-h1", "zb-h2", "interleaved-zb", "zbv")
 TORCH = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv", "torch-looped-bfs")
 PEER = {  # torch's same schedule
     "interleaved": TORCH[0], "zb-h1": TORCH[1], "zb-h2": TORCH[2], "looped-bfs": TORCH[3],
-    "zbv": TORCH[2],
+    "zbv": TORCH[2], "interleaved-zb": TORCH[1],
 }
 
 
@@ -98,8 +101,9 @@ def _sgd(params):
 class _Pipetrain:
     def __init__(self, schedule: str, ranks: int, x, y, trace: str):
         import pipetrain
+        from schedules import lookup
 
-        stages = ranks * (2 if schedule in ("interleaved", "looped-bfs", "zbv") else 1)
+        stages = ranks * (2 if lookup(schedule).multi_stage_per_rank else 1)
         self.pipe = pipetrain.Pipeline(
             linear_model(), [LAYERS // stages] * stages, chunks=CHUNKS, schedule=schedule,
             recompute="never", loss_fn=mse, optimizer=_sgd, timeout=120, trace=trace,

@@ -21,6 +21,7 @@ from schedules.generators import (
     zero_bubble_h1,
     zero_bubble_h2,
 )
+from schedules.list_scheduling import interleaved_zb, v_placement, zbv
 from schedules.registry import (
     DEFAULT_SCHEDULE,
     GENERATORS,
@@ -35,7 +36,6 @@ from schedules.registry import (
 from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
 from schedules.validate import validate
-from schedules.vshape import v_placement, zbv
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -55,6 +55,7 @@ __all__ = [
     "gpipe",
     "inflight",
     "interleaved",
+    "interleaved_zb",
     "looped_bfs",
     "lookup",
     "measure_lag",

@@ -22,8 +22,8 @@ from schedules.generators import (
     zero_bubble_h1,
     zero_bubble_h2,
 )
+from schedules.list_scheduling import interleaved_zb, zbv
 from schedules.validate import validate
-from schedules.vshape import zbv
 
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule a Pipeline, a plan and a simulation use when none is named: the only place
@@ -105,6 +105,9 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec("zb-h1", zero_bubble_h1, split_backward=True),
         ScheduleSpec("zb-h2", zero_bubble_h2, split_backward=True),
+        ScheduleSpec(
+            "interleaved-zb", interleaved_zb, multi_stage_per_rank=True, split_backward=True
+        ),
         ScheduleSpec(
             "zbv", zbv, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
         ),

@@ -1,5 +1,6 @@
-"""Looped BFS (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and ZB-V (stages 0 and 3 on rank
-0, 1 and 2 on rank 1) in two gloo processes train like plain single-process training: 1e-5 on
+"""Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and ZB-V
+(stages 0 and 3 on rank 0, 1 and 2 on rank 1) in two gloo processes train like plain
+single-process training: 1e-5 on
 every parameter and loss, as tests/property explains, with weights tied across the ranks,
 recomputation, AdamW, clipping and micro-batch counts that are no multiple of the ranks."""
 
@@ -20,14 +21,13 @@ SHAPES = {
     "one-micro-batch": Case(ModelSpec((4,), ("linear",) * 4), (1, 1, 1, 1), "", 2, 1,
                             ("except_last",) * 4, "sgd", CLIP, 2),
 }
-LOOPED_ONLY = {  # six stages: three per rank, which ZB-V's V (two per rank) does not take
-    "six-stages": Case(ModelSpec((4,), ("linear",) * 6), (1,) * 6, "looped-bfs", 2, 6,
-                       ("except_last",) * 6, "sgd", CLIP, 1),
-}
+SIX = Case(ModelSpec((4,), ("linear",) * 6), (1,) * 6, "", 2, 6, ("except_last",) * 6, "sgd",
+           CLIP, 1)  # three stages per rank, which ZB-V's V (two per rank) does not take
 CASES = {
     f"{schedule}-{name}": replace(case, schedule=schedule)
-    for schedule in ("looped-bfs", "zbv") for name, case in SHAPES.items()
-} | LOOPED_ONLY
+    for schedule in ("looped-bfs", "interleaved-zb", "zbv") for name, case in SHAPES.items()
+} | {f"{schedule}-six-stages": replace(SIX, schedule=schedule)
+     for schedule in ("looped-bfs", "interleaved-zb")}
 
 
 @pytest.fixture(scope="module")

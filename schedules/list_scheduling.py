@@ -1,15 +1,17 @@
-"""V-shaped schedules: 2p stages folded over p ranks, rank r holding stages r and 2p-1-r.
+"""Zero-bubble schedules over several stages per rank, ordered by list scheduling.
 
-The model goes down the ranks and comes back up, so the first and the last stage share rank 0:
-the loss's backward starts where the forward began, with no trip back through the pipeline,
-and every rank holds one stage of each leg (Qi et al., "Pipeline Parallelism with Controllable
-Memory", 2024; torch's ``ScheduleZBVZeroBubble``).
+:func:`list_scheduled` orders each rank's work by list scheduling on unit times (F = B = W):
+at each tick every rank runs the most urgent action whose inputs are done, a backward before a
+forward before a weight pass, the oldest micro-batch first, a forward only while the rank holds
+fewer micro-batch-stages not yet freed by their W than 1F1B's first rank would (p micro-batches
+of all its v stages: p v). The weight passes fill what would be bubbles. Two placements use it:
 
-:func:`zbv` orders each rank's work by list scheduling on unit times (F = B = W): at each tick
-every rank runs the most urgent action whose inputs are done, a backward before a forward
-before a weight pass, the oldest micro-batch first, a forward only while the rank holds fewer
-than 2p micro-batch-stages not yet freed by their W (1F1B's most on its first rank, p
-micro-batches of two stages' activations). The weight passes fill what would be bubbles.
+- :func:`zbv`, ZB-V: 2p stages folded into a V, rank r holding stages r and 2p-1-r, so the
+  first and last stage share rank 0 and the loss's backward starts where the forward began
+  (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; torch's
+  ``ScheduleZBVZeroBubble``);
+- :func:`interleaved_zb`: v stages per rank placed as interleaved 1F1B's, stage c p + r on
+  rank r (torch's ``ScheduleInterleavedZeroBubble``).
 """
 
 from __future__ import annotations
@@ -74,17 +76,33 @@ def _rank_key(action: Action) -> tuple[int, int, int]:
     return _URGENCY[action.kind], action.microbatch, -action.stage
 
 
+def list_scheduled(name: str, placement: tuple[int, ...], microbatches: int) -> Schedule:
+    """The schedule ``name`` with the backward split, its stages on ``placement``'s ranks,
+    each rank's order by :func:`_list_schedule` under 1F1B's first-rank memory."""
+    orders = _list_schedule(placement, microbatches, limit=len(placement))
+    return from_order(name, len(placement), microbatches, orders.__getitem__, placement)
+
+
 def zbv(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
-    """ZB-V: the V placement with the backward split into B and W, ordered by
-    :func:`_list_schedule`; a rank holds at most 2p micro-batch-stages whose W is pending.
-    With f = b = w, free transfers and m >= 2p its bubble is a small fraction of ZB-H1's on
-    the same model cut into p stages (tests/schedules/test_schedule_vshape.py)."""
+    """ZB-V: two stages per rank in a V. With f = b = w and free transfers its step is the
+    least any schedule can take, 6m + p - 1 times f, for m >= p and p <= 4 (within 2 f of it
+    up to p = 6), at 1F1B's activation memory (tests/schedules/test_schedule_list_scheduling.py)."""
     check_sizes(ranks, microbatches)
     if chunks_per_rank != 2:
         raise ValueError(
             f"zbv folds the model into a V: two stages per rank, got chunks_per_rank="
             f"{chunks_per_rank}; give len(balance) = 2 x ranks"
         )
-    placement = v_placement(ranks)
-    orders = _list_schedule(placement, microbatches, limit=2 * ranks)
-    return from_order("zbv", 2 * ranks, microbatches, orders.__getitem__, placement)
+    return list_scheduled("zbv", v_placement(ranks), microbatches)
+
+
+def interleaved_zb(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
+    """Interleaved zero bubble: v stages per rank, stage c p + r on rank r, the backward split.
+    Any micro-batch count runs."""
+    check_sizes(ranks, microbatches)
+    if chunks_per_rank < 1:
+        raise ValueError(
+            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
+        )
+    stages = ranks * chunks_per_rank
+    return list_scheduled("interleaved-zb", tuple(s % ranks for s in range(stages)), microbatches)

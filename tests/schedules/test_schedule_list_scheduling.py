@@ -1,5 +1,6 @@
-"""ZB-V: the V placement, complete and deadlock-free lists, its step against the least any
-schedule can take, and its memory against 1F1B's."""
+"""List-scheduled zero bubble: ZB-V (the V placement) and interleaved ZB (interleaved 1F1B's
+placement), each complete and deadlock-free, its step against the least any schedule can take
+and against the schedules it improves on, and its memory against 1F1B's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 from schedules import (
     Kind,
     build,
+    interleaved,
+    interleaved_zb,
     lookup,
     one_f_one_b,
     simulate,
@@ -67,3 +70,32 @@ def test_registered_as_a_v_of_two_stages_per_rank():
         build("zbv", 6, 4, ranks=2)
     with pytest.raises(ValueError, match="two stages per rank"):
         zbv(2, 4, 3)
+
+
+INTERLEAVED_SIZES = [(p, v, m) for p in range(1, 6) for v in (1, 2, 3, 4) for m in range(1, 17)]
+
+
+@pytest.mark.parametrize("p, v, m", INTERLEAVED_SIZES)
+def test_interleaved_zb_is_complete_deadlock_free_and_holds_what_1f1b_holds(p, v, m):
+    schedule = interleaved_zb(p, m, v)
+    validate(schedule)
+    assert schedule.placement == tuple(s % p for s in range(p * v)) and schedule.splits_backward
+    sim = simulate(schedule, 1.0, 1.0, weight=1.0)
+    # 1F1B on the same model cut into p stages: min(m, p) micro-batches of v stages' worth
+    assert max(sim.peak_inflight) <= v * min(m, p)
+
+
+@pytest.mark.parametrize("p, v, m", [s for s in INTERLEAVED_SIZES if s[2] % s[0] == 0])
+def test_interleaved_zb_is_never_slower_than_interleaved_1f1b(p, v, m):
+    # the same chunks; interleaved 1F1B runs each B and W as one backward of b + w
+    split = simulate(interleaved_zb(p, m, v), 1.0, 1.0, weight=1.0).step_time
+    assert split <= simulate(interleaved(p, m, v), 1.0, 2.0).step_time
+    assert split >= 3 * v * m + p - 1  # the least any schedule can take
+
+
+def test_interleaved_zb_is_registered_with_any_chunk_and_micro_batch_count():
+    spec = lookup("interleaved-zb")
+    assert spec.multi_stage_per_rank and spec.split_backward and spec.stages_per_rank is None
+    assert build("interleaved-zb", 9, 5, ranks=3) == interleaved_zb(3, 5, 3)
+    with pytest.raises(ValueError, match="at least one chunk"):
+        interleaved_zb(2, 4, 0)
