@@ -10,6 +10,7 @@ from schedules.asynchronous import (
     pipedream_2bw,
     unroll,
 )
+from schedules.csv_lists import from_csv, to_csv
 from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
 from schedules.generators import (
@@ -51,6 +52,7 @@ __all__ = [
     "build",
     "drain",
     "for_call",
+    "from_csv",
     "from_order",
     "gpipe",
     "inflight",
@@ -68,6 +70,7 @@ __all__ = [
     "simulate",
     "steady_state",
     "step_tail",
+    "to_csv",
     "unregister",
     "unroll",
     "v_placement",

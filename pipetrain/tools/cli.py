@@ -6,6 +6,8 @@
     pipetrain plan pipedream:vgg16 --stages 4 --microbatches 8
     pipetrain simulate plan.json
     pipetrain simulate profile.json --balance 3,14 --microbatches 8 --schedule gpipe
+    pipetrain schedule zbv --stages 8 --ranks 4 --microbatches 16 --to-csv zbv.csv
+    pipetrain schedule --from-csv zbv.csv
     pipetrain train mymodule:task --plan plan.json --steps 100
 
 One module per command (pipetrain/tools/cli_<command>.py: its ``add_command`` declares its
@@ -28,13 +30,16 @@ from pipetrain.tools import (
     cli_consolidate,
     cli_plan,
     cli_profile,
+    cli_schedule,
     cli_simulate,
     cli_trace,
     cli_train,
 )
 from pipetrain.tools.cli_common import PROG, UsageError
 
-COMMANDS = (cli_profile, cli_plan, cli_simulate, cli_trace, cli_consolidate, cli_train)
+COMMANDS = (
+    cli_profile, cli_plan, cli_simulate, cli_schedule, cli_trace, cli_consolidate, cli_train,
+)
 """The commands' modules, in the order ``pipetrain --help`` lists them."""
 
 

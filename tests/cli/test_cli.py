@@ -537,3 +537,19 @@ def test_plan_and_simulate_name_the_ranks_of_a_vs_stages(capsys):
     )
     assert code == 0, err
     assert "(rank 0: stages 0, 3; rank 1: stages 1, 2)" in out
+
+
+def test_schedule_exports_a_csv_and_reads_it_back_or_refuses_it(tmp_path, capsys):
+    path = tmp_path / "zbv.csv"
+    code, out, err = run(f"schedule zbv --stages 4 --ranks 2 --microbatches 4 --to-csv {path}",
+                         capsys)
+    assert code == 0, err
+    assert path.read_text().splitlines()[0].startswith("0F0,")
+    code, again, err = run(f"schedule --from-csv {path}", capsys)
+    assert code == 0, err
+    assert "rank 0: stages 0, 3; rank 1: stages 1, 2" in again and "valid" in again
+    assert again.splitlines()[1] == out.splitlines()[1]  # the same simulated step
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1RECV_F0,1B0,1SEND_B0\n")
+    code, out, err = run(f"schedule --from-csv {bad}", capsys)
+    assert code == 2 and "stage 1 does 1:F0 before 1:RECV_ACT0" in err
