@@ -79,6 +79,14 @@ def check_sizes(stages: int, microbatches: int) -> None:
         raise ValueError(f"a mini-batch needs at least one micro-batch, got {microbatches}")
 
 
+def check_chunks(chunks_per_rank: int) -> None:
+    """A multi-stage generator's check: at least one stage (chunk) per rank."""
+    if chunks_per_rank < 1:
+        raise ValueError(
+            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
+        )
+
+
 def with_step_tail(schedule: Schedule) -> Schedule:
     """``schedule`` with every synchronous list closed by its whole step (:func:`step_tail`):
     an older hand-written list that ends with its STEPs alone gets its REDUCEs and AGREE

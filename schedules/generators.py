@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from schedules.action import Action, Kind, Schedule, check_sizes, step_tail
+from schedules.action import Action, Kind, Schedule, check_chunks, check_sizes, step_tail
 from schedules.messages import with_messages
 
 
@@ -138,10 +138,7 @@ def interleaved(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Sche
     micro-batch-chunks. With one chunk per rank this is 1F1B with that longer warm-up.
     """
     check_sizes(ranks, microbatches)
-    if chunks_per_rank < 1:
-        raise ValueError(
-            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
-        )
+    check_chunks(chunks_per_rank)
     if microbatches % ranks:
         lower = microbatches // ranks * ranks
         fix = f"{lower} or {lower + ranks}" if lower else f"{ranks}"
@@ -178,10 +175,7 @@ def looped_bfs(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Sched
     micro-batch's activations of every local stage (m v) before the first backward. Any
     micro-batch count runs (no multiple of p needed)."""
     check_sizes(ranks, microbatches)
-    if chunks_per_rank < 1:
-        raise ValueError(
-            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
-        )
+    check_chunks(chunks_per_rank)
     stages = ranks * chunks_per_rank
     return from_order(
         "looped-bfs", stages, microbatches,

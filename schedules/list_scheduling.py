@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedules.action import Action, Kind, Schedule, check_sizes
+from schedules.action import Action, Kind, Schedule, check_chunks, check_sizes
 from schedules.generators import from_order
 
 _URGENCY = {Kind.BACKWARD: 0, Kind.FORWARD: 1, Kind.WEIGHT: 2}
@@ -100,9 +100,6 @@ def interleaved_zb(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> S
     """Interleaved zero bubble: v stages per rank, stage c p + r on rank r, the backward split.
     Any micro-batch count runs."""
     check_sizes(ranks, microbatches)
-    if chunks_per_rank < 1:
-        raise ValueError(
-            f"each rank needs at least one chunk, got chunks_per_rank={chunks_per_rank}"
-        )
+    check_chunks(chunks_per_rank)
     stages = ranks * chunks_per_rank
     return list_scheduled("interleaved-zb", tuple(s % ranks for s in range(stages)), microbatches)
