@@ -70,26 +70,11 @@ def sequential(model: Any) -> CausalLMLayers:
         )
     _refuse_extras(config)
     (base_name, base), (head_name,) = bases[0], heads
-    plan = list(getattr(config, "base_model_pp_plan", None) or ())
-    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
-        layers_name, norm_name = plan[-2:]
-        # what comes before the blocks: the token embedding, then (Phi) its dropout
-        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
-        rotary = getattr(base, "rotary_emb", None)
-    elif not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
-        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop})
-        layers_name, norm_name, rotary = "h", "ln_f", None
-    else:
-        raise TypeError(
-            f"{type(model).__name__}: its config declares no base_model_pp_plan of embedding, "
-            f"blocks, norm ({plan or 'none'}) and it is not GPT-2, so pipetrain cannot tell "
-            "where to cut it; pass a model whose config has one (Llama, Mistral, Qwen2/3, ...) "
-            "or build an nn.Sequential by hand"
-        )
-    positions = Positions(rotary) if rotary is not None else None
+    embedding, layers_name, norm_name, rotary = _parts(model, config, base)
+    positions = Positions(rotary, base.config) if rotary is not None else None
     shared = Shared()
     blocks = getattr(base, layers_name)
+    _refuse_block_inputs(blocks)
     layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
     for index, block in enumerate(blocks):
         layers.append((
@@ -100,6 +85,62 @@ def sequential(model: Any) -> CausalLMLayers:
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
     return keyed(CausalLMLayers, layers)
+
+
+def _parts(
+    model: Any, config: Any, base: nn.Module,
+) -> tuple[Embedding, str, str, nn.Module | None]:
+    """Where to cut ``base``: its embedding layer, the names of its block stack and final
+    norm, its rotary module, from the config's ``base_model_pp_plan`` (embedding entries, the
+    blocks, the norm) or GPT-2's modules; refused, saying what the plan holds and lacks."""
+    plan = list(getattr(config, "base_model_pp_plan", None) or ())
+    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
+        # what comes before the blocks: the token embedding, then (Phi) its dropout
+        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
+        return embedding, plan[-2], plan[-1], getattr(base, "rotary_emb", None)
+    if not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
+        gpt2 = Embedding({n: getattr(base, n) for n in ("wte", "wpe", "drop")})
+        return gpt2, "h", "ln_f", None
+    if not plan:
+        why = "its config declares no base_model_pp_plan and it is not GPT-2"
+    elif len(stacks) != 1:
+        held = f"{len(stacks)} block stacks, {stacks}" if stacks else "no block stack"
+        why = (f"its config's base_model_pp_plan lists {plan}: {held} (an nn.ModuleList of "
+               f"{type(base).__name__}) where one is needed")
+    else:
+        after = plan[plan.index(stacks[0]) + 1:]
+        held = f"{len(after)} entries, {after}," if after else "nothing"
+        why = (f"its config's base_model_pp_plan lists {plan}: after the blocks "
+               f"{stacks[0]!r} it needs one entry, the final norm, and has {held}")
+    raise TypeError(
+        f"{type(model).__name__}: {why}, so pipetrain cannot tell where to cut it (embedding, "
+        "blocks, final norm); pass a model whose config has such a plan (Llama, Mistral, "
+        "Qwen2/3, ...) or build an nn.Sequential by hand"
+    )
+
+
+# what Block passes a block (or the block does not need: no cross-attention in a causal LM)
+_CARRIED = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings",
+            "use_cache", "cache", "past_key_values", "past_key_value", "layer_past",
+            "cache_position", "output_attentions", "head_mask", "encoder_hidden_states",
+            "encoder_attention_mask"}
+
+
+def _refuse_block_inputs(blocks: nn.ModuleList) -> None:
+    """Refuse blocks whose forward takes inputs beyond those :class:`Block` gives (Gemma 3n
+    and 4: per-layer inputs and key/value states shared across layers, which the base model
+    computes outside the blocks and the stage boundary does not carry)."""
+    for block in blocks:
+        signature = inspect.signature(type(block).forward)
+        extra = [n for n, p in signature.parameters.items()
+                 if n not in _CARRIED and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if extra:
+            raise TypeError(
+                f"{type(block).__name__} (a block) takes {', '.join(extra)}: inputs its model "
+                "makes outside the blocks (per-layer inputs, states shared across layers), "
+                "which pipetrain.hf.sequential does not carry between stages"
+            )
 
 
 def initializer(model: Any) -> Callable[[nn.Module], None]:
@@ -213,9 +254,9 @@ class Positions:
     (its tables are buffers outside the state_dict: computed from the config, never loaded;
     a meta-device model's are rebuilt here)."""
 
-    def __init__(self, rotary: nn.Module):
-        with torch.device("cpu"):
-            self.rotary = type(rotary)(config=rotary.config)
+    def __init__(self, rotary: nn.Module, config: Any):
+        with torch.device("cpu"):  # GPT-J's and CodeGen's keep no config of their own
+            self.rotary = type(rotary)(config=getattr(rotary, "config", config))
         self.copies: dict[torch.device, nn.Module] = {}
         self.per_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
