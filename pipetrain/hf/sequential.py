@@ -21,6 +21,7 @@ attention_mask, position_ids)``); the last layer returns the logits.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
@@ -84,7 +86,9 @@ def sequential(model: Any) -> CausalLMLayers:
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
-    return keyed(CausalLMLayers, layers)
+    made = keyed(CausalLMLayers, layers)
+    _make_unsaved(model, made)
+    return made
 
 
 def _parts(
@@ -141,6 +145,25 @@ def _refuse_block_inputs(blocks: nn.ModuleList) -> None:
                 "makes outside the blocks (per-layer inputs, states shared across layers), "
                 "which pipetrain.hf.sequential does not carry between stages"
             )
+
+
+def _make_unsaved(model: Any, layers: nn.Module) -> None:
+    """Give the meta-device buffers outside the state_dict (Gemma's ``embed_scale``) their
+    values now, on the CPU, by transformers' own rule from the config (``_init_weights``): no
+    checkpoint holds them, so a meta model loaded with ``weights=DIR`` gets them only so (the
+    pipeline moves them to the layer's device). One the rule leaves unwritten stays meta."""
+    for module in layers.modules():
+        metas = {n: b for n, b in module._buffers.items()
+                 if n in module._non_persistent_buffers_set and b is not None and b.is_meta}
+        if not metas:
+            continue
+        fresh = {n: torch.empty_like(b, device="cpu") for n, b in metas.items()}
+        module._buffers.update(fresh)
+        with torch.no_grad():
+            model._init_weights(module.inner if isinstance(module, View) else module)
+        for name, tensor in fresh.items():
+            if tensor._version == 0:
+                module._buffers[name] = metas[name]
 
 
 def initializer(model: Any) -> Callable[[nn.Module], None]:
@@ -344,11 +367,31 @@ class Block(View):
             mask, positions, hidden, ("mask", self.mask_kind),
             lambda: self.mask(self.config, hidden, mask, positions),
         )
-        out = self.inner(hidden, attention_mask=attention, position_ids=positions,
-                         use_cache=False, **extra)
+        meta = _MetaKernels() if hidden.is_meta else None  # type: ignore[no-untyped-call]
+        with meta or contextlib.nullcontext():
+            out = self.inner(hidden, attention_mask=attention, position_ids=positions,
+                             use_cache=False, **extra)
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
+
+
+class _MetaKernels(TorchDispatchMode):
+    """Shapes on the meta device where torch's meta kernel is narrower than its real ones:
+    ``_grouped_mm`` (transformers' mixture-of-experts layers) takes float32 on the CPU and
+    CUDA but only bfloat16 on meta, so its meta output's shape is the bfloat16 one's, in the
+    dtype the real kernel gives."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if str(func) == "aten._grouped_mm.default" and args[0].dtype != torch.bfloat16:
+            dtype = kwargs.get("out_dtype") or args[0].dtype
+            cast = [a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args)]
+            return func(*cast, **{**kwargs, "out_dtype": None}).to(dtype)
+        return func(*args, **kwargs)
 
 
 class Norm(View):
