@@ -21,6 +21,7 @@ attention_mask, position_ids)``); the last layer returns the logits.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
@@ -70,26 +72,11 @@ def sequential(model: Any) -> CausalLMLayers:
         )
     _refuse_extras(config)
     (base_name, base), (head_name,) = bases[0], heads
-    plan = list(getattr(config, "base_model_pp_plan", None) or ())
-    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
-        layers_name, norm_name = plan[-2:]
-        # what comes before the blocks: the token embedding, then (Phi) its dropout
-        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
-        rotary = getattr(base, "rotary_emb", None)
-    elif not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
-        embedding = Embedding({"wte": base.wte, "wpe": base.wpe, "drop": base.drop})
-        layers_name, norm_name, rotary = "h", "ln_f", None
-    else:
-        raise TypeError(
-            f"{type(model).__name__}: its config declares no base_model_pp_plan of embedding, "
-            f"blocks, norm ({plan or 'none'}) and it is not GPT-2, so pipetrain cannot tell "
-            "where to cut it; pass a model whose config has one (Llama, Mistral, Qwen2/3, ...) "
-            "or build an nn.Sequential by hand"
-        )
-    positions = Positions(rotary) if rotary is not None else None
+    embedding, layers_name, norm_name, rotary = _parts(model, config, base)
+    positions = Positions(rotary, base.config) if rotary is not None else None
     shared = Shared()
     blocks = getattr(base, layers_name)
+    _refuse_block_inputs(blocks)
     layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
     for index, block in enumerate(blocks):
         layers.append((
@@ -99,7 +86,84 @@ def sequential(model: Any) -> CausalLMLayers:
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
-    return keyed(CausalLMLayers, layers)
+    made = keyed(CausalLMLayers, layers)
+    _make_unsaved(model, made)
+    return made
+
+
+def _parts(
+    model: Any, config: Any, base: nn.Module,
+) -> tuple[Embedding, str, str, nn.Module | None]:
+    """Where to cut ``base``: its embedding layer, the names of its block stack and final
+    norm, its rotary module, from the config's ``base_model_pp_plan`` (embedding entries, the
+    blocks, the norm) or GPT-2's modules; refused, saying what the plan holds and lacks."""
+    plan = list(getattr(config, "base_model_pp_plan", None) or ())
+    stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
+        # what comes before the blocks: the token embedding, then (Phi) its dropout
+        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
+        return embedding, plan[-2], plan[-1], getattr(base, "rotary_emb", None)
+    if not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
+        gpt2 = Embedding({n: getattr(base, n) for n in ("wte", "wpe", "drop")})
+        return gpt2, "h", "ln_f", None
+    if not plan:
+        why = "its config declares no base_model_pp_plan and it is not GPT-2"
+    elif len(stacks) != 1:
+        held = f"{len(stacks)} block stacks, {stacks}" if stacks else "no block stack"
+        why = (f"its config's base_model_pp_plan lists {plan}: {held} (an nn.ModuleList of "
+               f"{type(base).__name__}) where one is needed")
+    else:
+        after = plan[plan.index(stacks[0]) + 1:]
+        held = f"{len(after)} entries, {after}," if after else "nothing"
+        why = (f"its config's base_model_pp_plan lists {plan}: after the blocks "
+               f"{stacks[0]!r} it needs one entry, the final norm, and has {held}")
+    raise TypeError(
+        f"{type(model).__name__}: {why}, so pipetrain cannot tell where to cut it (embedding, "
+        "blocks, final norm); pass a model whose config has such a plan (Llama, Mistral, "
+        "Qwen2/3, ...) or build an nn.Sequential by hand"
+    )
+
+
+# what Block passes a block (or the block does not need: no cross-attention in a causal LM)
+_CARRIED = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings",
+            "use_cache", "cache", "past_key_values", "past_key_value", "layer_past",
+            "cache_position", "output_attentions", "head_mask", "encoder_hidden_states",
+            "encoder_attention_mask"}
+
+
+def _refuse_block_inputs(blocks: nn.ModuleList) -> None:
+    """Refuse blocks whose forward takes inputs beyond those :class:`Block` gives (Gemma 3n
+    and 4: per-layer inputs and key/value states shared across layers, which the base model
+    computes outside the blocks and the stage boundary does not carry)."""
+    for block in blocks:
+        signature = inspect.signature(type(block).forward)
+        extra = [n for n, p in signature.parameters.items()
+                 if n not in _CARRIED and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if extra:
+            raise TypeError(
+                f"{type(block).__name__} (a block) takes {', '.join(extra)}: inputs its model "
+                "makes outside the blocks (per-layer inputs, states shared across layers), "
+                "which pipetrain.hf.sequential does not carry between stages"
+            )
+
+
+def _make_unsaved(model: Any, layers: nn.Module) -> None:
+    """Give the meta-device buffers outside the state_dict (Gemma's ``embed_scale``) their
+    values now, on the CPU, by transformers' own rule from the config (``_init_weights``): no
+    checkpoint holds them, so a meta model loaded with ``weights=DIR`` gets them only so (the
+    pipeline moves them to the layer's device). One the rule leaves unwritten stays meta."""
+    for module in layers.modules():
+        metas = {n: b for n, b in module._buffers.items()
+                 if n in module._non_persistent_buffers_set and b is not None and b.is_meta}
+        if not metas:
+            continue
+        fresh = {n: torch.empty_like(b, device="cpu") for n, b in metas.items()}
+        module._buffers.update(fresh)
+        with torch.no_grad():
+            model._init_weights(module.inner if isinstance(module, View) else module)
+        for name, tensor in fresh.items():
+            if tensor._version == 0:
+                module._buffers[name] = metas[name]
 
 
 def initializer(model: Any) -> Callable[[nn.Module], None]:
@@ -213,9 +277,9 @@ class Positions:
     (its tables are buffers outside the state_dict: computed from the config, never loaded;
     a meta-device model's are rebuilt here)."""
 
-    def __init__(self, rotary: nn.Module):
-        with torch.device("cpu"):
-            self.rotary = type(rotary)(config=rotary.config)
+    def __init__(self, rotary: nn.Module, config: Any):
+        with torch.device("cpu"):  # GPT-J's and CodeGen's keep no config of their own
+            self.rotary = type(rotary)(config=getattr(rotary, "config", config))
         self.copies: dict[torch.device, nn.Module] = {}
         self.per_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
@@ -303,11 +367,31 @@ class Block(View):
             mask, positions, hidden, ("mask", self.mask_kind),
             lambda: self.mask(self.config, hidden, mask, positions),
         )
-        out = self.inner(hidden, attention_mask=attention, position_ids=positions,
-                         use_cache=False, **extra)
+        meta = _MetaKernels() if hidden.is_meta else None  # type: ignore[no-untyped-call]
+        with meta or contextlib.nullcontext():
+            out = self.inner(hidden, attention_mask=attention, position_ids=positions,
+                             use_cache=False, **extra)
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
+
+
+class _MetaKernels(TorchDispatchMode):
+    """Shapes on the meta device where torch's meta kernel is narrower than its real ones:
+    ``_grouped_mm`` (transformers' mixture-of-experts layers) takes float32 on the CPU and
+    CUDA but only bfloat16 on meta, so its meta output's shape is the bfloat16 one's, in the
+    dtype the real kernel gives."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if str(func) == "aten._grouped_mm.default" and args[0].dtype != torch.bfloat16:
+            dtype = kwargs.get("out_dtype") or args[0].dtype
+            cast = [a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args)]
+            return func(*cast, **{**kwargs, "out_dtype": None}).to(dtype)
+        return func(*args, **kwargs)
 
 
 class Norm(View):

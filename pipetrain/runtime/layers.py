@@ -69,11 +69,10 @@ class LayerSource:
             }
             skip = [i for i in where if self.weights is not None and not _unsaved(model[i])]
             made = materialize(model, where, self.init_seed, self.init, skip)
-        else:
-            if self.init_seed is not None:  # every rank alike: the whole model, then its share
-                init_layers(model, self.init_seed, self.init)
-            for s, device in devices.items():
-                parts[s][1].to(device)
+        elif self.init_seed is not None:  # every rank alike: the whole model, then its share
+            init_layers(model, self.init_seed, self.init)
+        for s, device in devices.items():  # and a meta model's tensors that were not meta
+            parts[s][1].to(device)
         if self.weights is not None:
             for s in devices:
                 weightfile.load_into(self.weights, parts[s][1], tied)
@@ -81,5 +80,11 @@ class LayerSource:
 
 
 def _unsaved(layer: nn.Module) -> bool:
-    """Whether ``layer`` has buffers outside its state_dict (a file cannot restore them)."""
-    return any(module._non_persistent_buffers_set for module in layer.modules())
+    """Whether ``layer`` has buffers outside its state_dict still on the meta device (a file
+    cannot restore them; one that already holds its value, as pipetrain.hf.sequential gives
+    them, needs nothing)."""
+    return any(
+        buffer is not None and buffer.is_meta
+        for module in layer.modules() for name, buffer in module._buffers.items()
+        if name in module._non_persistent_buffers_set
+    )

@@ -18,7 +18,8 @@ LLAMA_LIKE = dict(
 
 
 def config(arch: str, attn: str = "sdpa") -> object:
-    """A tiny config of ``arch``: "llama", "llama-tied", "qwen3", "mistral" or "gpt2"."""
+    """A tiny config of ``arch``: "llama", "llama-tied", "qwen3", "mistral", "gpt2", "gptj"
+    or "codegen" (the last two: rotary on 4 of each head's 8 dimensions)."""
     t = transformers
     if arch == "gpt2":
         return t.GPT2Config(
@@ -26,6 +27,13 @@ def config(arch: str, attn: str = "sdpa") -> object:
             eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             attn_implementation=attn,
         )
+    if arch in ("gptj", "codegen"):
+        made = getattr(t, {"gptj": "GPTJConfig", "codegen": "CodeGenConfig"}[arch])(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+        made._attn_implementation = attn
+        return made
     made = {
         "llama": lambda: t.LlamaConfig(**LLAMA_LIKE),
         "llama-tied": lambda: t.LlamaConfig(**LLAMA_LIKE, tie_word_embeddings=True),

@@ -107,3 +107,24 @@ def test_train_command_then_consolidate(planned, tmp_path) -> None:
     _, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", output_loading_info=True)
     assert not any(info.values())
+
+
+@pytest.mark.parametrize(("name", "extra"), [
+    ("Mixtral", {"num_local_experts": 4}),
+    ("Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 16}),
+    ("Gemma3Text", {"head_dim": 8}),  # its embedding scale: made on the CPU, the rest meta
+])
+def test_profile_on_meta_of_experts_and_scaled_embeddings(name, extra, tmp_path) -> None:
+    """Mixtures of experts run torch's grouped matrix product, whose meta kernel takes only
+    bfloat16: a float32 model's meta forward still gives its shapes."""
+    made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0, **extra)
+    transformers.AutoModelForCausalLM.from_config(made).save_pretrained(tmp_path / "model")
+    assert main(["profile", f"hf:{tmp_path / 'model'}", "--meta", "--input-shape", "2,16",
+                 "--input-dtype", "int64", "--input-high", "64", "--repeats", "1",
+                 "--warmup", "0", "-o", str(tmp_path / "profile.json")]) == 0
+    layers = json.loads((tmp_path / "profile.json").read_text())["layers"]
+    assert [layer["name"] for layer in layers][1:3] == ["model.layers.0:Block",
+                                                       "model.layers.1:Block"]
+    hidden, masks = 2 * 16 * 32 * 4, 2 * (2 * 16 * 8)  # fp32 hidden, int64 mask and positions
+    assert layers[1]["activation_bytes"] == hidden + masks

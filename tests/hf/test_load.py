@@ -68,3 +68,19 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
         pipetrain.Pipeline(hf.sequential(meta("llama")), devices=["cpu", "cpu"],
                            weights=tmp_path, **options())
 
+
+
+def test_buffers_no_checkpoint_holds_are_made_from_the_config(tmp_path: Path) -> None:
+    """Gemma's embedding scale is a buffer outside the state_dict: on the meta device it has
+    no value and no checkpoint holds it, so ``sequential`` makes it from the config."""
+    made = transformers.Gemma3TextConfig(**LLAMA_LIKE, head_dim=8, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(made).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path))
+    pipe = pipetrain.Pipeline(hf.sequential(m), devices=["cpu", "cpu"], weights=tmp_path,
+                              **options())
+    ids = torch.randint(0, 64, (2, 5))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(pipe.eval_step(ids), reference(ids).logits)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import pipetrain.hf as hf
-from tests.hf.models import LLAMA_LIKE, batch, model, transformers
+from tests.hf.models import LLAMA_LIKE, VOCAB, batch, model, transformers
 
-ARCHS = ["llama", "llama-tied", "qwen3", "mistral", "gpt2"]
+ARCHS = ["llama", "llama-tied", "qwen3", "mistral", "gpt2", "gptj", "codegen"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -149,3 +149,27 @@ def test_a_model_that_is_no_causal_lm_is_refused_as_such(built: str) -> None:
         why = "an encoder-decoder"
     with pytest.raises(TypeError, match=f"is not one \\({why}\\).*AutoModelForCausalLM"):
         hf.sequential(m)
+
+
+def test_blocks_needing_per_layer_inputs_are_refused() -> None:
+    """Gemma 4's blocks take per-layer inputs (and key/value states shared across layers) that
+    its base model makes outside them: refused at ``sequential``, not failing in a forward."""
+    made = transformers.Gemma4TextConfig(
+        **LLAMA_LIKE, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+    )
+    with pytest.raises(TypeError, match="Gemma4TextDecoderLayer .* takes per_layer_input, "
+                                        "shared_kv_states: .* does not carry"):
+        hf.sequential(transformers.AutoModelForCausalLM.from_config(made))
+
+
+def test_a_plan_without_the_final_norm_says_what_it_lists() -> None:
+    made = transformers.LlamaConfig(**LLAMA_LIKE)
+    made.base_model_pp_plan = {k: v for k, v in made.base_model_pp_plan.items() if k != "norm"}
+    with pytest.raises(TypeError) as error:
+        hf.sequential(transformers.AutoModelForCausalLM.from_config(made))
+    message = str(error.value)
+    assert "base_model_pp_plan lists ['embed_tokens', 'layers']: after the blocks 'layers' " \
+           "it needs one entry, the final norm, and has nothing" in message
+    assert "declares no" not in message

@@ -62,7 +62,7 @@ def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert (value - expected[key]).abs().max() < TOLERANCE, key
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gptj", "codegen"])
 def test_threads_equal_hf_training(arch: str, one_thread) -> None:
     pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"], **options())
     train(pipe)
