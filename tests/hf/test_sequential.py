@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import pipetrain.hf as hf
-from tests.hf.models import LLAMA_LIKE, VOCAB, batch, model, transformers
+from tests.hf.models import LLAMA_LIKE, VOCAB, batch, declared, model, transformers
 
-ARCHS = ["llama", "llama-tied", "qwen3", "mistral", "gpt2", "gptj", "codegen"]
+ARCHS = [
+    declared(a) for a in ("llama", "llama-tied", "qwen3", "mistral", "gpt2", "gptj", "codegen")
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

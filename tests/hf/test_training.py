@@ -17,7 +17,7 @@ import torch
 
 import pipetrain
 import pipetrain.hf as hf
-from tests.hf.models import batch, config, model, transformers
+from tests.hf.models import batch, config, declared, model, transformers
 from tests.runtime.harness import run_ranks, values
 
 TOLERANCE = 1e-5
@@ -62,7 +62,7 @@ def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert (value - expected[key]).abs().max() < TOLERANCE, key
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gptj", "codegen"])
+@pytest.mark.parametrize("arch", [declared(a) for a in ("llama", "gpt2", "gptj", "codegen")])
 def test_threads_equal_hf_training(arch: str, one_thread) -> None:
     pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"], **options())
     train(pipe)

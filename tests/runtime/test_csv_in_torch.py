@@ -56,6 +56,11 @@ def _in_torch(rank: int, world: int, name: str, folder: str) -> dict[str, torch.
     return {k: p.grad for stage in stages for k, p in stage.submod.named_parameters()}
 
 
+@pytest.mark.skipif(
+    torch.__version__ < "2.11",  # torch.torch_version.TorchVersion compares as a version
+    reason="torch <= 2.10's _PipelineScheduleRuntime is not the one held to this: 2.9's dies "
+    "in its shape inference (a gloo size mismatch), 2.10's loses a rank on the V of zbv",
+)
 @pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "interleaved", "zbv",
                                   "interleaved-zb", "looped-bfs"])
 def test_torch_runs_the_exported_list_like_one_process(name):
