@@ -129,8 +129,9 @@ REUSABLE = ("linear", "conv", "residual", "layernorm", "batchnorm")
 WEIGHTED = ("linear", "conv", "residual", "frozen", "half_frozen", "branch", "keep", "halves",
             "layernorm", "batchnorm", "affine", "embedding", "head")
 VIEWS = ("flatten", "reshape", "slice", "transpose")  # what makes the next layer see a view
-# drawn twice as often as the rest: what makes in-place ops meet views, and shared Parameters
-LIKELIER = ("relu_", "affine", *VIEWS)
+# drawn twice as often as the rest: what makes in-place ops meet views, shared Parameters and
+# BatchNorm's running statistics updated twice
+LIKELIER = ("relu_", "affine", "batchnorm", *VIEWS)
 INPUT_SHAPES: tuple[Shape, ...] = ((LENGTH,), (LENGTH, LENGTH + 1))
 
 
@@ -283,10 +284,10 @@ def draw_model(choose: Chooser, most: int = 8, leave_out: frozenset[str] = froze
                  if given == shape and not pair and "again" not in leave_out]
         options = [t for t in BODY if _accepts(t, shape, pair) and t not in leave_out]
         options += [t for t in options if t in LIKELIER]
-        if tokens and tokens[-1] in VIEWS and "relu_" in options and choose.integer(0, 2) == 2:
+        if tokens and tokens[-1] == "flatten" and "reshape" in options and choose.integer(0, 2):
+            options = ["reshape"]  # a view of a view, two times in three: else rare (flat data)
+        elif tokens and tokens[-1] in VIEWS and "relu_" in options and choose.integer(0, 2) == 2:
             options = ["relu_"]  # an in-place op on a view: one time in three after a view
-        elif tokens and tokens[-1] == "flatten" and "reshape" in options and choose.integer(0, 1):
-            options = ["reshape"]  # a view of a view, half the time: else rare (flat data only)
         elif again and choose.integer(0, 3) == 3:
             options = again  # a module used before: one time in four where one fits
         token = choose.choice(options)
@@ -302,7 +303,7 @@ def draw_model(choose: Chooser, most: int = 8, leave_out: frozenset[str] = froze
         shape, pair = out, pair_out
     if pair:
         tokens.append("merge")
-    if "embedding" in tokens and choose.integer(0, 1):
+    if "embedding" in tokens and choose.integer(0, 2):  # a tied head two times in three
         if shape[-1] != LENGTH:
             tokens.append("linear")
         tokens.append("head")
