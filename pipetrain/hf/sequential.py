@@ -42,11 +42,6 @@ class CausalLMLayers(KeyedLayers):
     """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
     a slice keeps the keys."""
 
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return keyed(type(self), list(self._modules.items())[index])
-        return super().__getitem__(index)
-
 
 def sequential(model: Any) -> CausalLMLayers:
     """``model`` (a transformers ``*ForCausalLM``, built eagerly or on the meta device) as

@@ -27,7 +27,9 @@ A weight tied across stages (an embedding and the head reading it) stays out of 
 zero 2 and 3: each copy is whole on every replica, as at zero 0, and its gradient is
 all-reduced over the tie's ranks in every replica (data_parallel.GradientSync, summed over the
 tied stages, averaged over the replicas), so the copies stay identical. Only the tied weights
-are held whole; the rest of the stage is sharded as above.
+are held whole; the rest of the stage is sharded as above. A weight two layers of one stage
+share (an embedding and its tied head on the same stage) is sharded once: FSDP2 wants the
+modules holding a weight in one unit, so those layers are one ``fully_shard`` call (:func:`units`).
 
 A weight no backward of the step reached, on any replica, has no gradient in one process, and
 the optimizer skips it (no weight decay, no moment update). At zero 2 and 3 FSDP2 reduces every
@@ -166,27 +168,36 @@ class ShardedGradients:
         reshard = zero == 3 and not split_backward
         kept = set(whole)  # weights tied across stages: whole on every replica (tied_syncs)
         shards: list[nn.Module] = []
-        for index, layer in enumerate(module.children()):
+        layers = list(module.children())
+        grouped = units(layers, kept)
+        for index in range(len(layers)):
             if bring_up is not None:
                 bring_up(index)
-            if any(p.requires_grad and p not in kept for p in layer.parameters()):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard,
-                            ignored_params=kept or None)
+            unit = [layers[i] for i in grouped.get(index, [])]
+            if any(p.requires_grad and p not in kept for m in unit for p in m.parameters()):
+                fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh,
+                            reshard_after_forward=reshard, ignored_params=kept or None)
                 if not split_backward:  # there finish reduces every layer, in one order
-                    layer.register_forward_pre_hook(_inputs_requiring_gradients, prepend=True)
-                shards.append(layer)
+                    for member in unit:
+                        member.register_forward_pre_hook(_inputs_requiring_gradients,
+                                                         prepend=True)
+                shards += unit
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._layers = module  # the same, as an nn.Module
-        self._names = {id(p): n for n, p in module.named_parameters() if sharded(p)}
+        # each sharded weight's owner and attribute: FSDP2 puts the gathered parameter there
+        # (the owner, not a dotted path: pipetrain.hf's layer keys such as "model.layers.0"
+        # are no path of attributes)
+        self._owners = {id(p): (owner, leaf) for _, owner in module.named_modules()
+                        for leaf, p in owner._parameters.items() if p is not None and sharded(p)}
         self.group, self.device, self.timeout = group, device, timeout
         reduce_unused_weights(module)  # the same reduce-scatters on every replica
-        self._weights: list[Any] = [  # FSDP2's FSDPParam of each sharded weight
-            weight for part in module.modules() if isinstance(part, FSDPModule)
+        self._weights: list[Any] = list({  # FSDP2's FSDPParam of each sharded weight, once
+            id(weight): weight for part in module.modules() if isinstance(part, FSDPModule)
             for param_group in param_groups(state(part))
             for weight in private(param_group, "fsdp_params")
-        ]
+        }.values())
         for weight in self._weights:  # what _note_gradients reads, there on this torch
             private(weight, "unsharded_accumulated_grad")
             private(type(weight), "unsharded_param")
@@ -238,7 +249,7 @@ class ShardedGradients:
                 continue
             if gathered.grad is not None or weight.unsharded_accumulated_grad is not None:
                 self._seen.add(i)
-            if i not in self._hooked:
+            if i not in self._hooked and gathered.requires_grad:  # a frozen one gets none
                 gathered.register_post_accumulate_grad_hook(
                     lambda _, i=i: self._seen.add(i)
                 )
@@ -278,13 +289,16 @@ class ShardedGradients:
         read (its gradient is reduce-scattered into the shard's at :meth:`finish`)."""
         found: list[torch.Tensor] = []
         for weight in weights:
-            name = self._names.get(id(weight))
-            current = weight if name is None else self._layers.get_parameter(name)
+            owner = self._owners.get(id(weight))
+            if owner is None:  # whole: not sharded (tied across stages)
+                found.append(weight)
+                continue
+            current = getattr(owner[0], owner[1])
             if sharded(current):
                 raise RuntimeError(
-                    f"weight {name!r} was resharded before its weight gradients (W) were "
-                    "computed; under a split backward each layer stays gathered until the "
-                    "step (sharding.ShardedGradients)"
+                    f"weight {owner[1]!r} of {type(owner[0]).__name__} was resharded before "
+                    "its weight gradients (W) were computed; under a split backward each "
+                    "layer stays gathered until the step (sharding.ShardedGradients)"
                 )
             found.append(current)
         return found
@@ -301,6 +315,25 @@ class ShardedGradients:
             for group in param_groups(own):
                 group.post_backward()
         private(state(self._layers), "_root_post_backward_final_callback")()
+
+
+def units(layers: Sequence[nn.Module], whole: Collection[nn.Parameter]) -> dict[int, list[int]]:
+    """The layers sharded as one FSDP2 unit, keyed by the position of the unit's last layer:
+    each layer alone, but layers sharing a sharded weight (an embedding and its tied head on
+    one stage) together, as FSDP2 requires of a weight two modules hold."""
+    owners: dict[int, int] = {}  # weight id -> the unit (its first layer's position)
+    unit = list(range(len(layers)))
+    for index, layer in enumerate(layers):
+        for p in layer.parameters():
+            if p in whole:
+                continue
+            first = owners.setdefault(id(p), unit[index])
+            if first != unit[index]:  # join this layer's unit into the earlier one
+                unit = [first if u == unit[index] else u for u in unit]
+    members: dict[int, list[int]] = {}
+    for index, first in enumerate(unit):
+        members.setdefault(first, []).append(index)
+    return {group[-1]: group for group in members.values()}
 
 
 def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -80,6 +80,12 @@ class KeyedLayers(nn.Sequential):
     first dotted part for a layer's name, and would call "model.norm.weight" unexpected in a
     slice that holds "model.norm" but no "model"."""
 
+    def __getitem__(self, index: Any) -> Any:
+        """A slice keeps the layers' names (``nn.Sequential``'s would refuse the dots)."""
+        if isinstance(index, slice):
+            return keyed(type(self), list(self._modules.items())[index])
+        return super().__getitem__(index)
+
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
     ) -> None:

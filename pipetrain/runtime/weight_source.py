@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.rng import StageRng, State
-from pipetrain.runtime.stage_module import Cuts
+from pipetrain.runtime.stage_module import Cuts, positions
 from pipetrain.runtime.stage_slice import StageSlice
 from pipetrain.training.weights import WeightVersions
 
@@ -33,11 +33,14 @@ class LiveWeights:
 
 class _Runner(nn.Module):
     """Wraps a stage's slice so that ``torch.func.functional_call`` swaps its weights while the
-    stage runs it layer by layer (its errors still name the layer)."""
+    stage runs it layer by layer (its errors still name the layer). The runner holds the
+    slice's layers (the same objects) under their positions, not the slice's keys:
+    functional_call resolves a name as a path of attributes, and a key such as pipetrain.hf's
+    "model.layers.0" is no path."""
 
-    def __init__(self, body: nn.Module, run: Callable[..., object]):
+    def __init__(self, body: nn.Sequential, run: Callable[..., object]):
         super().__init__()
-        self.body = body
+        self.body = nn.ModuleList(layer for _, layer in positions(body))
         self._run = run
 
     def forward(self, value: object, target: object = None) -> object:
@@ -55,7 +58,8 @@ class VersionedWeights:
         rng: StageRng,
     ):
         self._slice, self._weights, self.versions, self._rng = slice_, weights, versions, rng
-        self._names = [n for n, p in slice_.module.named_parameters() if p.requires_grad]
+        self._runner = _Runner(slice_.module, slice_.run_and_score)
+        self._names = [n for n, p in self._runner.named_parameters() if p.requires_grad]
         # "stale" recomputation: the inputs, target and random state of the forward
         self._targets: dict[int, tuple[object, object, State]] = {}
 
@@ -79,10 +83,9 @@ class VersionedWeights:
         (None: the parameters themselves)."""
         if weights is None:
             return partial(self._slice.run_and_score, target=target)
-        runner = _Runner(self._slice.module, self._slice.run_and_score)
-        mapping = {"body." + n: w for n, w in zip(self._names, weights, strict=True)}
+        mapping = dict(zip(self._names, weights, strict=True))
         return lambda value: torch.func.functional_call(
-            runner, mapping, (value,), {"target": target}
+            self._runner, mapping, (value,), {"target": target}
         )
 
     def backward(
