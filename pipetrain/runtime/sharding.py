@@ -80,6 +80,7 @@ from pipetrain.runtime.fsdp_parts import (
     state,
 )
 from pipetrain.runtime.stage import OptimizerFactory, Stage
+from pipetrain.runtime.stage_module import alias
 from schedules import Schedule
 
 LEVELS = (0, 1, 2, 3)
@@ -177,10 +178,12 @@ class ShardedGradients:
             if any(p.requires_grad and p not in kept for m in unit for p in m.parameters()):
                 fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh,
                             reshard_after_forward=reshard, ignored_params=kept or None)
-                if not split_backward:  # there finish reduces every layer, in one order
-                    for member in unit:
+                for member in unit:
+                    if not split_backward:  # there finish reduces every layer, in one order
                         member.register_forward_pre_hook(_inputs_requiring_gradients,
                                                          prepend=True)
+                    if reshard:  # after FSDP2's own post-forward
+                        member.register_forward_hook(_aliased_outputs)
                 shards += unit
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
@@ -334,6 +337,18 @@ def units(layers: Sequence[nn.Module], whole: Collection[nn.Parameter]) -> dict[
     for index, first in enumerate(unit):
         members.setdefault(first, []).append(index)
     return {group[-1]: group for group in members.values()}
+
+
+def _aliased_outputs(layer: nn.Module, inputs: object, output: object) -> object:
+    """A sharded layer's output tensors as later layers read them: identities of their own in
+    the graph (stage_module.alias, no copy). At zero 3 FSDP2 gathers a layer's weights again
+    for its backward from a hook on its outputs; an in-place op of a later layer on an output
+    (``Linear`` then ``ReLU(inplace=True)``) rewrote the output's history, the hook did not
+    fire, and the backward read freed weights (``setStorage ... out of bounds for storage of
+    size 0``). On the alias, the in-place op leaves the output's history alone."""
+    return _pytree.tree_map_only(
+        torch.Tensor, lambda t: alias(t) if t.requires_grad else t, output
+    )
 
 
 def _inputs_requiring_gradients(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -5,7 +5,10 @@ processes, each against zero=0 and against single-process training of the whole 
   up each gathered weight (it resolved the name as a path of attributes);
 * a frozen layer and a frozen parameter (a gradient hook on a weight that takes none);
 * an embedding and its tied head on one stage (FSDP2 wants one unit for a weight two modules
-  hold: the two layers are sharded together).
+  hold: the two layers are sharded together);
+* at zero 3, a Linear on (batch, sequence, width) and an in-place ReLU of its output on one
+  stage (FSDP2's own warning says an in-place op on a sharded module's output may fail or give
+  wrong gradients).
 
 AdamW, 3 steps. Tolerances as tests/runtime/test_zero.py's: 1e-6 against zero=0 (the same sums
 in another order), 1e-5 against one process (replicas and micro-batches reorder the sums).
@@ -63,6 +66,12 @@ def tied_on_one_stage() -> nn.Sequential:
     return nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), head, nn.Linear(11, 11))
 
 
+def inplace_after_linear() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 4), nn.ReLU(inplace=True),
+                         nn.Linear(4, 11))
+
+
 def vectors() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 4, generator=g))
@@ -104,6 +113,8 @@ CASES: dict[str, tuple[Callable[[], nn.Sequential], list[int], Callable[[], list
                [("1f1b", 2), ("1f1b", 3), ("zb-h1", 3)]),
     "tied": (tied_on_one_stage, [4, 1], token_steps, tokens_loss,
              [("1f1b", 2), ("1f1b", 3), ("zb-h2", 3)]),
+    "inplace": (inplace_after_linear, [1, 3], token_steps, tokens_loss,
+                [("1f1b", 3), ("zb-h1", 3), ("gpipe", 3)]),
     "llama": (llama, [2, 3], llama_steps, _hf_loss, [("zb-h1", 3), ("zb-h1", 2)]),
 }
 
@@ -145,7 +156,7 @@ def one_process(name: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, list[dict]]:
-    plain = ["keyed", "frozen", "tied"]
+    plain = ["keyed", "frozen", "tied", "inplace"]
     try:
         import tests.hf.models  # noqa: F401
         names = [*plain, "llama"]
@@ -195,6 +206,10 @@ def test_an_embedding_and_its_tied_head_on_one_stage_train_at_zero_2_and_3(train
         state = got["tied 1f1b 3"]
         if "0.weight" in state:
             assert torch.equal(state["0.weight"], state["3.weight"])
+
+
+def test_an_in_place_activation_of_a_sharded_linear_output_trains_at_zero_3(trained):
+    _check(trained, "inplace")
 
 
 def test_a_hugging_face_llama_trains_under_zero_bubble_at_zero_2_and_3(trained):
