@@ -8,10 +8,10 @@ the replica group of placement.py. ``zero`` says what those copies stop repeatin
 * 1: the optimizer state. Gradients are still all-reduced whole; torch's
   ``ZeroRedundancyOptimizer`` gives each replica whole parameters to step (about 1/replicas
   of them, by size) and broadcasts the updated ones.
-* 2: and the gradients. FSDP2 (``fully_shard`` per layer with weights, on a one-dimensional
-  mesh of the replica group) keeps each parameter as a dim-0 shard and reduce-scatters the
-  gradients; the weights are gathered at the mini-batch's first forward and kept whole until
-  its last backward (``reshard_after_forward=False``).
+* 2: and the gradients. FSDP2 (``fully_shard`` per layer with weights, frozen ones too, on a
+  one-dimensional mesh of the replica group) keeps each parameter as a dim-0 shard and
+  reduce-scatters the gradients; the weights are gathered at the mini-batch's first forward
+  and kept whole until its last backward (``reshard_after_forward=False``).
 * 3: and the weights: gathered for each forward and again for each backward, freed after.
 
 Under micro-batching the gradients are reduced once per mini-batch, at the stage's last
@@ -175,7 +175,7 @@ class ShardedGradients:
             if bring_up is not None:
                 bring_up(index)
             unit = [layers[i] for i in grouped.get(index, [])]
-            if any(p.requires_grad and p not in kept for m in unit for p in m.parameters()):
+            if any(p not in kept for m in unit for p in m.parameters()):
                 fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh,
                             reshard_after_forward=reshard, ignored_params=kept or None)
                 for member in unit:

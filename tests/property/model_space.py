@@ -8,12 +8,17 @@ own input or views, residual blocks, a module used again later (``again:J`` reus
 module) and an affine layer whose Parameters every such layer shares. :func:`build_model` turns
 the tokens into the model, the same in every process; :func:`draw_case` draws a whole
 :class:`Case` (model, balance, schedule, placement, micro-batches, checkpoint modes, optimizer,
-clip, steps) through a :class:`Chooser`, so that hypothesis (which shrinks a failure to a small
+clip, steps; and, with defaults that plain cases keep, the layers' naming, data-parallel replicas
+and ZeRO level) through a :class:`Chooser`, so that hypothesis (which shrinks a failure to a small
 case) and a seeded ``random.Random`` (a fixed sample for the multi-process test) drive the same
 generator.
 
 The data flowing between layers is tracked by its shape without the batch: ``(d,)``, ``(c, d)``,
 or a pair of equal shapes (a tuple, which a ``merge`` layer adds back into one tensor).
+
+A "dotted" case keys its layers "layers.0", "layers.1", ... (a ``keyed`` model, as
+pipetrain.hf's "model.layers.0"): names that are no path of attributes, which torch resolves as
+paths; its parameters are compared under the plain model's keys.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from pipetrain.runtime.stage_module import KeyedLayers, keyed
 from schedules.registry import RECOMPUTE_MODES, build, lookup, names
 from tests.runtime.models import Branch, Halves, Keep, Merge, SharedAffine
 
@@ -222,8 +228,12 @@ class ModelSpec:
         return len(self.tokens)
 
 
-def build_model(spec: ModelSpec, seed: int = 0) -> nn.Sequential:
-    """The model of ``spec``, its weights drawn from ``seed`` (the same in every process)."""
+DOTTED = "layers."  # a dotted case's layer i is keyed "layers.i"
+
+
+def build_model(spec: ModelSpec, seed: int = 0, dotted: bool = False) -> nn.Sequential:
+    """The model of ``spec``, its weights drawn from ``seed`` (the same in every process);
+    ``dotted``: its layers keyed "layers.i" (module docstring)."""
     torch.manual_seed(seed)
     built = _Built()
     shape, pair = spec.input_shape, False
@@ -247,6 +257,8 @@ def build_model(spec: ModelSpec, seed: int = 0) -> nn.Sequential:
         built.shapes.append((shape, out, False))
         shape, pair = out, False
     assert not pair, "a model must end in a tensor"
+    if dotted:
+        return keyed(KeyedLayers, [(f"{DOTTED}{i}", m) for i, m in enumerate(built.layers)])
     return nn.Sequential(*built.layers)
 
 
@@ -328,6 +340,9 @@ class Case:
     optimizer: str
     clip: float | None
     steps: int
+    dotted: bool = False  # layers keyed "layers.i"
+    replicas: int = 1  # data-parallel replicas of each stage (ranks x replicas processes)
+    zero: int = 0
 
     def stages(self) -> list[range]:
         """Each stage's layer positions."""
@@ -409,17 +424,28 @@ def train_pipeline(case: Case, devices: bool = True, timeout: float = 30.0) -> d
     rank of a process group): this rank's parameters (full-model keys) and the losses."""
     import pipetrain
 
-    model = build_model(case.model)
+    model = build_model(case.model, dotted=case.dotted)
     torch.manual_seed(SEED)
     pipe = pipetrain.Pipeline(
         model, list(case.balance), chunks=case.chunks, schedule=case.schedule,
         recompute=list(case.checkpoint), loss_fn=loss_fn,
         optimizer=make_optimizer(case.optimizer), clip_grad_norm=case.clip,
-        deferred_batch_norm=True, timeout=timeout,
+        deferred_batch_norm=True, timeout=timeout, replicas=case.replicas, zero=case.zero,
         devices=["cpu"] * case.ranks if devices else None,
     )
-    losses = [float(pipe.train_step(x.clone(), y)) for x, y in data(case)]
-    return {"state": pipe.module.state_dict(), "losses": losses}
+    share = BATCH // case.replicas  # this replica's rows of each mini-batch
+    rows = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+    losses = [float(pipe.train_step(x[rows].clone(), y[rows])) for x, y in data(case)]
+    state = {key.removeprefix(DOTTED) if case.dotted else key: whole(value)
+             for key, value in pipe.module.state_dict().items()}
+    return {"state": state, "losses": losses}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A ZeRO shard's whole tensor (a collective over the stage's replicas), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def train_reference(case: Case) -> dict[str, Any]:
@@ -545,6 +571,7 @@ def features(case: Case) -> set[str]:
         f"schedule {case.schedule}", f"{len(case.balance)} stage(s)", f"chunks {case.chunks}",
         f"optimizer {case.optimizer}", "clip on" if case.clip else "clip off",
         f"{case.steps} step(s)", *(f"checkpoint {mode}" for mode in case.checkpoint),
+        "dotted layer names" if case.dotted else "positional layer names",
     }
     if len(case.balance) > case.ranks:
         found.add("several stages per rank")

@@ -8,8 +8,10 @@ returning tuples, their input or views, residual blocks, a module used twice in 
 two, a Parameter shared by modules of one stage or of two) and the set-up: balance (1-4 stages),
 micro-batches (1-4), every synchronous schedule in the registry (interleaved with 1 or 2 ranks,
 several stages per rank), a checkpoint (recompute) mode per stage, SGD with momentum or AdamW,
-a gradient clip on or off, 1-3 steps. Stages run as threads (``devices=["cpu", ...]``); a fixed
-sample of 2-rank cases runs in 2 gloo processes.
+a gradient clip on or off, 1-3 steps, layers named by position or with dots ("layers.0", as
+pipetrain.hf's). Stages run as threads (``devices=["cpu", ...]``); a fixed sample of 2-rank
+cases runs in 2 gloo processes, and another on 2 stages x 2 replicas at ZeRO 2 or 3 in 4
+(without BatchNorm and Dropout, whose statistics and masks follow each replica's rows).
 
 Tolerance: 1e-5 on every parameter and loss, fp32. The pipeline sums the same products as plain
 training in another order (per micro-batch, per stage), which moves results by about 1e-7 after
@@ -38,6 +40,7 @@ each feature.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -47,6 +50,8 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from tests.property.model_space import (
+    BATCH,
+    SCHEDULES,
     Case,
     RandomChooser,
     draw_case,
@@ -66,6 +71,11 @@ LONG_EXAMPLES = 3000
 PROCESS_SAMPLE = 6
 LONG_PROCESS_SAMPLE = 60
 SAMPLE_SEED = 0  # the process sample's cases are RandomChooser(SAMPLE_SEED + k)'s
+ZERO_SAMPLE = 4
+LONG_ZERO_SAMPLE = 30
+ZERO_SEED = 1000  # the ZeRO sample's, RandomChooser(ZERO_SEED + k)'s
+REPLICAS = 2
+REPLICA_VARIES = frozenset({"batchnorm", "dropout"})  # their statistics, masks: per replica
 
 
 class HypothesisChooser:
@@ -83,7 +93,8 @@ class HypothesisChooser:
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
-    return draw_case(HypothesisChooser(draw))
+    case = draw_case(HypothesisChooser(draw))
+    return dataclasses.replace(case, dotted=draw(st.booleans()))
 
 
 def reference_or_reject(case: Case) -> dict[str, Any]:
@@ -148,15 +159,21 @@ def test_report_features_of_the_long_profile(capsys):
     assert not rare, f"drawn fewer than {LONG_MINIMUM} times: {rare}"
 
 
-def process_sample(count: int) -> list[tuple[Case, dict[str, Any]]]:
-    """``count`` 2-rank cases from fixed seeds, with plain training's result; cases plain
-    training or the pipeline refuses (a BatchNorm used on two ranks) are passed over."""
+def process_sample(count: int, zero: bool = False) -> list[tuple[Case, dict[str, Any]]]:
+    """``count`` 2-rank cases from fixed seeds (every other one with dotted layer names), with
+    plain training's result; cases plain training or the pipeline refuses (a BatchNorm used on
+    two ranks) are passed over. ``zero``: each stage on REPLICAS replicas at ZeRO 2 or 3 (in
+    turn), without what varies per replica, with micro-batches that split each replica's rows."""
     sample: list[tuple[Case, dict[str, Any]]] = []
-    seed = SAMPLE_SEED
+    seed = ZERO_SEED if zero else SAMPLE_SEED
     while len(sample) < count:
-        case = draw_case(RandomChooser(seed), ranks=2)
+        drawn = draw_case(RandomChooser(seed), ranks=2,
+                          leave_out=REPLICA_VARIES if zero else frozenset())
+        case = dataclasses.replace(drawn, dotted=bool(seed % 2))
+        if zero:
+            case = dataclasses.replace(case, replicas=REPLICAS, zero=2 + len(sample) % 2)
         seed += 1
-        if norm_across_ranks(case):
+        if norm_across_ranks(case) or (BATCH // case.replicas) % case.chunks:
             continue
         try:
             sample.append((case, train_reference(case)))
@@ -180,22 +197,22 @@ def _train_all(rank: int, world: int, sample: list[Case]) -> list[dict[str, Any]
     return results
 
 
-def train_in_processes(sample: list[Case]) -> list[list[dict[str, Any]]]:
-    """Each rank's results of :func:`_train_all` over ``sample`` in 2 gloo processes; fails
-    naming the rank that raised or died (which ends the run for the other too) and, where one
-    died, the first case that kills a rank when trained alone."""
-    results = run_ranks(_train_all, 2, sample, deadline=60 + 10 * len(sample))
+def train_in_processes(sample: list[Case], world: int = 2) -> list[list[dict[str, Any]]]:
+    """Each rank's results of :func:`_train_all` over ``sample`` in ``world`` gloo processes;
+    fails naming the rank that raised or died (which ends the run for the others too) and,
+    where one died, the first case that kills a rank when trained alone."""
+    results = run_ranks(_train_all, world, sample, deadline=60 + 10 * len(sample))
     died = [f"rank {r} died (exit code {v})" for r, (s, v) in enumerate(results) if s == "died"]
     if died and len(sample) > 1:  # which case killed it: each alone until one dies again
         for case in sample:
-            train_in_processes([case])
+            train_in_processes([case], world)
     assert not died, f"{died} training {sample}"
     return values(results)
 
 
-def check_processes(count: int) -> None:
-    sample = process_sample(count)
-    per_rank = train_in_processes([c for c, _ in sample])
+def check_processes(count: int, zero: bool = False) -> None:
+    sample = process_sample(count, zero)
+    per_rank = train_in_processes([c for c, _ in sample], 2 * (REPLICAS if zero else 1))
     for k, (case, expected) in enumerate(sample):
         results = [r[k] for r in per_rank]
         errors = [r["error"] for r in results if "error" in r]
@@ -212,6 +229,15 @@ def test_processes_train_like_one_process_long():
     check_processes(LONG_PROCESS_SAMPLE)
 
 
+def test_processes_at_zero_2_and_3_train_like_one_process():
+    check_processes(ZERO_SAMPLE, zero=True)
+
+
+@pytest.mark.slow
+def test_processes_at_zero_2_and_3_train_like_one_process_long():
+    check_processes(LONG_ZERO_SAMPLE, zero=True)
+
+
 PROMISED = {
     "Linear", "Conv1d", "Embedding with a tied head", "LayerNorm", "BatchNorm (deferred)",
     "Dropout", "GELU", "in-place ReLU", "in-place after a view", "in-place at a stage's start",
@@ -224,7 +250,7 @@ PROMISED = {
     "Parameter shared in two stages", "tied head in one stage", "tied head in two stages",
     "several stages per rank", "clip on", "clip off", "optimizer sgd", "optimizer adamw",
     "checkpoint never", "checkpoint except_last", "checkpoint always",
-    *(f"schedule {name}" for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")),
+    "dotted layer names", "positional layer names", *(f"schedule {name}" for name in SCHEDULES),
     *(f"{n} stage(s)" for n in range(1, 5)), *(f"chunks {n}" for n in range(1, 5)),
     *(f"{n} step(s)" for n in range(1, 4)),
 }

@@ -3,7 +3,9 @@ processes, each against zero=0 and against single-process training of the whole 
 
 * dotted layer names (a ``keyed`` model; pipetrain.hf's Llama) under zero bubble, whose W looks
   up each gathered weight (it resolved the name as a path of attributes);
-* a frozen layer and a frozen parameter (a gradient hook on a weight that takes none);
+* a frozen layer and a frozen parameter (a gradient hook on a weight that takes none), and a
+  stage holding only a frozen layer and a head tied to the previous stage's embedding (nothing
+  of it sharded but the frozen weight, which the backward found freed);
 * an embedding and its tied head on one stage (FSDP2 wants one unit for a weight two modules
   hold: the two layers are sharded together);
 * at zero 3, a Linear on (batch, sequence, width) and an in-place ReLU of its output on one
@@ -72,6 +74,14 @@ def inplace_after_linear() -> nn.Sequential:
                          nn.Linear(4, 11))
 
 
+def frozen_before_tied_head() -> nn.Sequential:
+    """Found by tests/property's ZeRO sample: stage 1 is a frozen Linear and the tied head."""
+    torch.manual_seed(0)
+    embedding, head = nn.Embedding(11, 6), nn.Linear(6, 11, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(6, 6).requires_grad_(False), head)
+
+
 def vectors() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 4, generator=g))
@@ -113,6 +123,8 @@ CASES: dict[str, tuple[Callable[[], nn.Sequential], list[int], Callable[[], list
                [("1f1b", 2), ("1f1b", 3), ("zb-h1", 3)]),
     "tied": (tied_on_one_stage, [4, 1], token_steps, tokens_loss,
              [("1f1b", 2), ("1f1b", 3), ("zb-h2", 3)]),
+    "frozen-tied": (frozen_before_tied_head, [1, 2], token_steps, tokens_loss,
+                    [("1f1b", 2), ("1f1b", 3), ("zb-h1", 3)]),
     "inplace": (inplace_after_linear, [1, 3], token_steps, tokens_loss,
                 [("1f1b", 3), ("zb-h1", 3), ("gpipe", 3)]),
     "llama": (llama, [2, 3], llama_steps, _hf_loss, [("zb-h1", 3), ("zb-h1", 2)]),
@@ -156,7 +168,7 @@ def one_process(name: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, list[dict]]:
-    plain = ["keyed", "frozen", "tied", "inplace"]
+    plain = ["keyed", "frozen", "frozen-tied", "tied", "inplace"]
     try:
         import tests.hf.models  # noqa: F401
         names = [*plain, "llama"]
@@ -198,6 +210,10 @@ def test_a_frozen_layer_and_a_frozen_parameter_train_at_zero_2_and_3(trained):
         for key in ("0.weight", "0.bias", "2.weight"):
             if key in state:
                 assert torch.equal(state[key], start[key]), key
+
+
+def test_a_stage_of_a_frozen_layer_and_a_head_tied_across_stages_trains_at_zero_2_and_3(trained):
+    _check(trained, "frozen-tied")
 
 
 def test_an_embedding_and_its_tied_head_on_one_stage_train_at_zero_2_and_3(trained):
