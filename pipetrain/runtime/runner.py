@@ -8,8 +8,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipetrain.errors import PipelineError
 from pipetrain.observe.progress import logger
 from pipetrain.observe.trace import Recorder
@@ -36,10 +34,19 @@ class Runner:
         self.failed: str | None = None  # why the pipeline stopped, once it has
         self.outputs: list[Any] = []  # the last rank's outputs of the last list run
 
-    def _split(self, value: object, what: str, device: torch.device) -> list[Any] | None:
+    def _split(self, value: object, what: str, stage: Stage) -> list[Any] | None:
+        """``value`` as ``stage``'s micro-batches. A batch it refuses (one chunks does not
+        divide) stops the ranks of other processes too, with the reason: they have no batch to
+        check (a middle stage, or any stage in evaluation) and would wait out the timeout."""
         if value is None:
             return None
-        return microbatch.scatter(microbatch.to_device(value, device), self.chunks, what)  # type: ignore[arg-type]
+        try:
+            batch = microbatch.to_device(value, stage.device)  # type: ignore[arg-type]
+            return microbatch.scatter(batch, self.chunks, what)
+        except (TypeError, ValueError) as error:
+            if self.world.stop_peers(f"stage {stage.index} refused its batch: {error}"):
+                self.stop(error)
+            raise
 
     def run(
         self, schedule: Schedule, x: object, y: object, handler: StepHandler | None,
@@ -56,8 +63,8 @@ class Runner:
             )
         training = handler is not None
         first, last = self.stages[0], self.stages[-1]
-        inputs = self._split(x, "x", first.device) if first.is_first else None
-        targets = self._split(y, "y", last.device) if last.is_last else None
+        inputs = self._split(x, "x", first) if first.is_first else None
+        targets = self._split(y, "y", last) if last.is_last else None
         by_index = {stage.index: stage for stage in self.stages}
         executors = [
             Executor(

@@ -158,6 +158,12 @@ class World(ABC):
         """One trace recorder per rank here; ``at_exit`` saves them where a process ends
         without its caller saying so (a torchrun rank)."""
 
+    @abstractmethod
+    def stop_peers(self, reason: str) -> bool:
+        """Stop the ranks of other processes, which raise ``reason`` at their next wait
+        instead of waiting out the timeout; whether there were any (then this pipeline has
+        stopped for good)."""
+
 
 class ThreadWorld(World):
     """Every rank in this process, rank r a thread on ``devices[r]``, linked by a LocalHub. A
@@ -239,6 +245,9 @@ class ThreadWorld(World):
 
     def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
         return [value]
+
+    def stop_peers(self, reason: str) -> bool:
+        return False  # every rank is here: the caller's error stops them all
 
     def recorders(
         self, schedule: Schedule, at_exit: Callable[[], object]
@@ -363,6 +372,10 @@ class ProcessWorld(World):
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups.pipeline)
+
+    def stop_peers(self, reason: str) -> bool:
+        self._transport.abort(reason)
+        return True
 
     def gather_per_rank(
         self, bubbles: list[float], memory: list[float], peaks: dict[str, float]

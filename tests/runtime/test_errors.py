@@ -272,6 +272,36 @@ def test_a_non_positive_timeout_and_an_empty_batch_are_refused():
         assert "empty batch (batch size 0)" in empty
 
 
+def _uneven_batch(rank: int, world: int, step: str) -> tuple[str, str, float]:
+    """One good step, then a batch chunks=2 does not divide, given only where it is read
+    (rank 0's x; in training, the last rank's y too): what each rank raised, how soon."""
+    pipe = pipetrain.Pipeline(mlp(), [4, 4, 4], chunks=2, timeout=30,
+                              loss_fn=nn.functional.cross_entropy, optimizer=sgd)
+    x, y = batches(1)[0]
+    pipe.train_step(x, y)
+    start = time.monotonic()
+    try:
+        if step == "eval":
+            pipe.eval_step(x[:5] if rank == 0 else None)
+        else:
+            pipe.train_step(x[:5] if rank == 0 else None, y[:5] if rank == 2 else None)
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "none", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("step", ["eval", "train"])
+def test_a_batch_one_rank_refuses_stops_every_rank_with_its_reason(step):
+    """A middle stage (and in evaluation the last) has no batch to check: it raised only when
+    the timeout (30 s) ran out, or named no reason where the refusing rank's process ended."""
+    results = values(run_ranks(_uneven_batch, 3, step, deadline=60))
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert kind in ("ValueError", "PeerError"), (rank, kind, message)
+        assert "batch size 5, which chunks=2 does not divide" in message, (rank, message)
+        assert seconds < 10, (rank, seconds)
+    assert results[1][0] == "PeerError" and "refused its batch" in results[1][1]  # the middle
+
+
 class Sleepy(nn.Module):
     """Counts its calls and takes 0.1 s over each; with ``until`` (an Event), its second call
     also waits for it (at most 10 s), to be still busy when a later stage fails."""
