@@ -101,24 +101,26 @@ CASES = [pytest.param(schedule, options, id=name)
          for schedule in names() for name, options in _options(schedule)]
 
 
+def assert_names_change_nothing(build: Callable[[], nn.Sequential], data: list,
+                                loss_fn: Callable, schedule: str, options: dict) -> None:
+    """``build()``'s model trained as built and with its layers named by position."""
+    dotted = train(build(), schedule, data, loss_fn, **options)
+    plain = train(positional(build()), schedule, data, loss_fn, **options)
+    assert_identical(dotted, plain)
+
+
 @pytest.mark.parametrize(("schedule", "options"), CASES)
 def test_a_keyed_mlp_trains_as_the_same_layers_named_by_position(schedule, options):
-    data = mlp_data()
-    mse = nn.functional.mse_loss
-    dotted = train(keyed_mlp(), schedule, data, mse, **options)
-    plain = train(positional(keyed_mlp()), schedule, data, mse, **options)
-    assert_identical(dotted, plain)
+    assert_names_change_nothing(keyed_mlp, mlp_data(), nn.functional.mse_loss, schedule,
+                                options)
 
 
 @pytest.mark.parametrize(("schedule", "options"), CASES)
 def test_a_hugging_face_llama_trains_as_the_same_layers_named_by_position(schedule, options):
     import pipetrain.hf
 
-    data = llama_data()
-    loss = pipetrain.hf.causal_lm_loss
-    dotted = train(llama(), schedule, data, loss, **options)
-    plain = train(positional(llama()), schedule, data, loss, **options)
-    assert_identical(dotted, plain)
+    assert_names_change_nothing(llama, llama_data(), pipetrain.hf.causal_lm_loss, schedule,
+                                options)
 
 
 def test_the_asynchronous_schedules_move_a_keyed_model():
