@@ -204,18 +204,26 @@ class Boundaries:
                 "shapes; the schedule is out of order"
             )
         tensors = self._wait(action, handle)
-        if action.kind is Kind.RECV_ACT and action.microbatch == 0:
-            meta = self._in_meta[action.stage] = decode(tensors[0])
-            last = self.carry.shapes_in.get(action.stage)
-            self.carry.shapes_in[action.stage] = meta
-            guessed = self._guessed.pop(action, None)
-            if guessed is not None:
-                tensors = self._wait(action, guessed)  # the payload, or the stand-in
-                if meta == last:
-                    return tensors
-            peer = self.schedule.rank_of(peer_of(action))
-            tensors = self._wait(action, self.transport.recv(meta.tensors, peer, self._tag(action)))
-        return tensors
+        if action.kind is not Kind.RECV_ACT:
+            return tensors
+        if action.microbatch == 0:
+            tensors = self._payload(action, decode(tensors[0]))
+        metas = self._in_meta[action.stage].tensors
+        return [m.from_wire(t) for t, m in zip(tensors, metas, strict=True)]
+
+    def _payload(self, action: Action, meta: BoundaryMeta) -> list[torch.Tensor]:
+        """The first micro-batch's activations after its header ``meta``: what arrived where
+        the receive posted with the last call's shapes still fits, else a receive now."""
+        self._in_meta[action.stage] = meta
+        last = self.carry.shapes_in.get(action.stage)
+        self.carry.shapes_in[action.stage] = meta
+        guessed = self._guessed.pop(action, None)
+        if guessed is not None:
+            tensors = self._wait(action, guessed)  # the payload, or the stand-in
+            if meta == last:
+                return tensors
+        peer = self.schedule.rank_of(peer_of(action))
+        return self._wait(action, self.transport.recv(meta.tensors, peer, self._tag(action)))
 
     def receive_activations(self, action: Action) -> None:
         """RECV_ACT: wait for a micro-batch's activations (the header first, at micro-batch 0)."""
@@ -253,14 +261,17 @@ class Boundaries:
         send = Action(Kind.SEND_ACT, forward.stage, i)
         outgoing: list[Outgoing] = []
         known = self._out_meta.get(forward.stage)
+        remote = not self.schedule.local(forward.stage, peer_of(send))
         if known is None:
-            self._out_meta[forward.stage] = meta
             last = self.carry.shapes_out.get(forward.stage)
             if last != meta or forward.stage not in self.carry.headers:
                 self.carry.headers[forward.stage] = encode(meta)
+                self.carry.shapes_out[forward.stage] = meta
+            else:  # the header as sent before: its memory order is the one to send in
+                meta = last
+            known = self._out_meta[forward.stage] = meta
             outgoing.append((send, [self.carry.headers[forward.stage]], True))
-            self.carry.shapes_out[forward.stage] = meta
-            if last not in (None, meta) and not self.schedule.local(forward.stage, peer_of(send)):
+            if last not in (None, meta) and remote:
                 outgoing.append((send, empty_like_meta(last.tensors, self.transport.device), False))
         elif meta != known:
             raise StageError(
@@ -271,7 +282,10 @@ class Boundaries:
             )
         if self.training:  # for the receive of its gradient
             self.carry.in_flight[forward.stage, self.base + i] = meta
-        outgoing.append((send, [t.detach() for t in tensors], False))
+        payload = [t.detach() for t in tensors]
+        if remote:  # in memory order (the module docstring of meta.py); here: as it is
+            payload = [m.to_wire(t) for t, m in zip(payload, known.tensors, strict=True)]
+        outgoing.append((send, payload, False))
         return outgoing
 
     def gradients_in(self, backward: Action) -> list[torch.Tensor | None]:
