@@ -23,20 +23,16 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import pipetrain
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
 from tests.runtime.harness import run_ranks, values
+from tests.runtime.test_zero import _whole, adamw
 
 STEPS = 3
 ROWS = 8
 AGAINST_ZERO = 1e-6
 AGAINST_ONE_PROCESS = 1e-5
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
 def tokens_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -129,10 +125,6 @@ CASES: dict[str, tuple[Callable[[], nn.Sequential], list[int], Callable[[], list
                 [("1f1b", 3), ("zb-h1", 3), ("gpipe", 3)]),
     "llama": (llama, [2, 3], llama_steps, _hf_loss, [("zb-h1", 3), ("zb-h1", 2)]),
 }
-
-
-def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def _train(rank: int, world: int, names: list[str]) -> dict[str, dict]:
