@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from pipetrain.checkpoints import weightfile
+from pipetrain.checkpoints import layout, weightfile
 from pipetrain.errors import CheckpointError
 from pipetrain.training.compensation import Compensator
 from pipetrain.training.precision import LossScaler
@@ -374,7 +374,7 @@ def consolidate_safetensors(folder: str | os.PathLike[str], output: str | os.Pat
     (keys as in its state_dict), one stage at a time: each stage file is memory-mapped, its
     tensors written, and it is let go before the next, so the whole model is never in memory.
     Returns the number of tensors."""
-    index: weightfile.Index = {}
+    index: layout.Index = {}
     for module in module_states(folder):  # the header first: every tensor's dtype and shape
         index.update({k: (v.dtype, tuple(v.shape)) for k, v in module.items()})
 

@@ -10,7 +10,8 @@ once), so a checkpoint is consolidated one stage at a time. A ``.pt`` file is re
 Hosts are assumed little-endian, as safetensors' format is. A directory holds one
 ``model.safetensors`` or safetensors shards listed by ``model.safetensors.index.json`` (the
 sharded-safetensors convention, which Hugging Face checkpoints follow): each rank reads its own
-keys shard by shard.
+keys shard by shard. A checkpoint in another program's keys (a Hugging Face hub checkpoint) is
+read through the model's layout (pipetrain/checkpoints/layout.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+from pipetrain.checkpoints import layout
+from pipetrain.checkpoints.layout import Index
 
 DTYPES: dict[str, torch.dtype] = {  # safetensors' dtype names, every one torch has
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -45,8 +50,6 @@ class WeightFileError(ValueError):
     """A weights file that cannot be read, or does not fit the model: says what and the fix."""
 
 
-# (dtype, shape) of a tensor in a file, by key
-Index = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 def is_safetensors(path: str | os.PathLike[str]) -> bool:
@@ -256,16 +259,46 @@ def read_index(path: str | os.PathLike[str]) -> Index:
     return {k: (v.dtype, tuple(v.shape)) for k, v in open_pt(path).items()}
 
 
-def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) -> None:
-    """One error listing every key the file lacks, every key the model lacks and every shape
-    that differs, against ``model``'s whole state_dict (on the meta device, or real). A key
-    the file lacks is not missing when its tensor is tied to a key the file has."""
+@dataclass(frozen=True)
+class Reading:
+    """Where each key of a model's state_dict comes from in one weights file: the group of
+    file keys that makes it (pipetrain/checkpoints/layout.py), by the model key; ``tied``: a
+    key the file lacks whose tensor is tied to one it makes (a head tied to the embedding,
+    saved once as transformers does), and that key."""
+
+    path: Path
+    groups: dict[str, layout.Group]
+    tied: dict[str, str]
+
+
+def reading(
+    path: str | os.PathLike[str], model: nn.Module, check: bool = True,
+) -> Reading:
+    """How ``model`` (the whole model, on the meta device or real) reads ``path``, by its
+    layout; ``check``: refuse, in one error, every key the file lacks, every key the model
+    lacks and every shape that differs."""
+    path = Path(path)
+    groups = layout.groups(model, read_index(path))
+    made = {key: group for group in groups for key in group.targets}
+    tied = _tied(made.keys(), model)
+    if check:
+        _check(path, groups, made.keys() | tied.keys(), model)
+    return Reading(path, made, tied)
+
+
+def _check(
+    path: Path, groups: list[layout.Group], found: Iterable[str], model: nn.Module,
+) -> None:
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(wanted.keys() - index.keys() - tied_keys(index, model).keys())
-    unexpected = sorted(index.keys() - wanted.keys())
+    missing = sorted(wanted.keys() - set(found))
+    unexpected = sorted(
+        key for group in groups if not group.targets.keys() <= wanted.keys()
+        for key in group.sources
+    )
     shapes = sorted(
-        f"{k}: {index[k][1]} in the file, {wanted[k]} in the model"
-        for k in wanted.keys() & index.keys() if index[k][1] != wanted[k]
+        f"{k}: {shape} in the file, {wanted[k]} in the model"
+        for group in groups for k, (_, shape) in group.targets.items()
+        if k in wanted and shape != wanted[k]
     )
     problems = [
         f"{what} ({len(keys)}): {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
@@ -274,46 +307,66 @@ def check_index(path: str | os.PathLike[str], index: Index, model: nn.Module) ->
         if keys
     ]
     if problems:
-        if Path(path).is_dir():
-            path = source(path)
         raise WeightFileError(
-            f"{path} does not fit the model: " + "; ".join(problems)
-            + ". Pass the file saved from this model (keys as in model.state_dict()), or build "
+            f"{source(path) if path.is_dir() else path} does not fit the model: "
+            + "; ".join(problems) + ". Pass the file saved from this model (keys as in "
+            "model.state_dict(), or a Hugging Face checkpoint of its architecture), or build "
             "the model the file was saved from"
         )
 
 
-def tied_keys(index: Index, model: nn.Module) -> dict[str, str]:
-    """The keys of ``model``'s state_dict that the file lacks but whose tensor is another key's
-    that it has (a head tied to the embedding, saved once as transformers does): that key."""
+def _tied(made: Iterable[str], model: nn.Module) -> dict[str, str]:
+    """The keys of ``model``'s state_dict not in ``made`` whose tensor is a key's in it."""
+    made = set(made)
     keys: dict[int, list[str]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         keys.setdefault(id(tensor), []).append(key)
     return {
         key: saved[0]
         for group in keys.values()
-        if (saved := [k for k in group if k in index])
-        for key in group if key not in index
+        if (saved := [k for k in group if k in made])
+        for key in group if key not in made
     }
 
 
 def load_into(
-    path: str | os.PathLike[str], module: nn.Module, tied: Mapping[str, str] | None = None,
+    path: str | os.PathLike[str], module: nn.Module, plan: Reading | None = None,
 ) -> None:
     """Read the tensors of ``module``'s state_dict keys (a stage's slice, keyed as the whole
-    model) from ``path`` into them, in place; ``tied`` (from :func:`tied_keys`) names the file
-    key of a tied tensor saved under another key."""
-    path = Path(path)
-    tied = tied or {}
-    targets = {tied.get(k, k): v for k, v in module.state_dict(keep_vars=True).items()}
+    model) from ``path`` into them, in place, as ``plan`` (from :func:`reading` of the whole
+    model; by default ``module``'s own, unchecked) says: a kept or renamed key straight into
+    its tensor, a converted group read whole, made and copied."""
+    plan = plan or reading(path, module, check=False)
+    straight: dict[str, torch.Tensor] = {}  # file key -> the model's tensor
+    converted: dict[int, tuple[layout.Index, layout.Make, dict[str, torch.Tensor]]] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        made = plan.tied.get(key, key)
+        group = plan.groups.get(made)
+        if group is None:
+            raise WeightFileError(f"{plan.path} holds no tensor for {key!r}: pass the file saved "
+                                  "from this model")
+        if group.make is None:
+            straight[next(iter(group.sources))] = tensor.data
+        else:
+            converted.setdefault(id(group), (group.sources, group.make, {}))[2][made] = tensor.data
     with torch.no_grad():
-        if path.is_dir():
-            _load_directory(path, {k: v.data for k, v in targets.items()})
-            return
-        if is_safetensors(path):
-            load_safetensors(path, {k: v.data for k, v in targets.items()})
-            return
+        _read(plan.path, straight)
+        for sources, make, targets in converted.values():
+            inputs = {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in sources.items()}
+            _read(plan.path, inputs)
+            outputs = make(inputs)
+            for key, target in targets.items():
+                target.copy_(outputs[key])
+
+
+def _read(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Each file key of ``targets`` into its tensor (cast to its dtype)."""
+    if path.is_dir():
+        _load_directory(path, targets)
+    elif is_safetensors(path):
+        load_safetensors(path, targets)
+    else:
         state = open_pt(path)
         for key, target in targets.items():
-            target.data.copy_(state[key])
+            target.copy_(state[key])
             _release(state[key])

@@ -5,7 +5,9 @@ at a time (memory-mapped) and writes ``output`` as ``save_pretrained`` would: ``
 and the other non-weight files of ``config_dir`` (generation config, tokenizer), the weights
 as safetensors (``model.safetensors``, or shards of at most ``max_shard_size`` with
 ``model.safetensors.index.json``), a weight tied across keys written once, under the first
-key of the model's state_dict that holds it (the embedding, not the head). The keys are
+key of the model's state_dict that holds it (the embedding, not the head), in the hub's
+layout: transformers' conversions undone as ``save_pretrained`` undoes them (one tensor per
+expert, Pythia's ``embed_out``; pipetrain/hf/layout.py), one stage at a time. The keys are
 checked against the model that ``config_dir`` describes, built on the meta device, first.
 """
 
@@ -17,24 +19,31 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from partitioner.units import parse_bytes
 from pipetrain.checkpoints.checkpointing import module_states
-from pipetrain.checkpoints.weightfile import INDEX, SINGLE, Index, write_safetensors
+from pipetrain.checkpoints.layout import Index
+from pipetrain.checkpoints.weightfile import INDEX, SINGLE, write_safetensors
+from pipetrain.hf.layout import HubLayout
 from pipetrain.hf.sequential import transformers_module
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")  # not copied over
 
 
-def _model_keys(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """The keys a checkpoint of ``config_dir``'s model holds, each tensor once, with their
-    shapes; and the other keys of tied tensors (written once, under the first)."""
+def _model(config_dir: Path) -> Any:
+    """``config_dir``'s model, on the meta device."""
     auto = transformers_module()
     config = auto.AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
-        model = auto.AutoModelForCausalLM.from_config(config)
+        return auto.AutoModelForCausalLM.from_config(config)
+
+
+def _model_keys(model: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The keys a checkpoint of ``model`` holds, each tensor once, with their shapes; and the
+    other keys of tied tensors (written once, under the first)."""
     seen: set[int] = set()
     keys, copies = {}, set()
     for key, tensor in model.state_dict(keep_vars=True).items():
@@ -46,10 +55,10 @@ def _model_keys(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]
     return keys, copies
 
 
-def _checked_index(folder: str | os.PathLike[str], config_dir: Path) -> Index:
-    """The checkpoint's tensors to write (dtype, shape), in its order; one error for keys
-    that do not fit the model."""
-    wanted, copies = _model_keys(config_dir)
+def _checked_index(folder: str | os.PathLike[str], config_dir: Path, model: Any) -> Index:
+    """The checkpoint's tensors to write (dtype, shape), in its order and in the model's keys;
+    one error for keys that do not fit ``model``."""
+    wanted, copies = _model_keys(model)
     found: Index = {}
     for module in module_states(folder):
         found.update({k: (v.dtype, tuple(v.shape)) for k, v in module.items()})
@@ -97,13 +106,20 @@ def save(
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"{output} exists and is not an empty directory: write to a new one "
                          "(shards of an earlier save would mix with these)")
-    index = _checked_index(folder, config_dir)
+    model = _model(config_dir)
+    layout = HubLayout(model)
+    kept = _checked_index(folder, config_dir, model)
+    index: Index = {}
+    for module in module_states(folder):  # the hub's keys and shapes, stage by stage
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                for k, v in module.items() if k in kept}
+        index.update({k: (v.dtype, tuple(v.shape)) for k, v in layout.to_hub(meta).items()})
     shards = _shards(index, parse_bytes(max_shard_size))
     output.mkdir(exist_ok=True)
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    stream = _tensors(folder, index)
+    stream = _tensors(folder, kept, layout)
     for name, keys in zip(names, shards, strict=True):
         write_safetensors(output / name, {k: index[k] for k in keys},
                           itertools.islice(stream, len(keys)), metadata={"format": "pt"})
@@ -119,6 +135,9 @@ def save(
     return output
 
 
-def _tensors(folder: str | os.PathLike[str], index: Index) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    folder: str | os.PathLike[str], kept: Index, layout: HubLayout,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The hub's tensors, stage by stage, in the order of ``save``'s index."""
     for module in module_states(folder):
-        yield from ((k, v) for k, v in module.items() if k in index)
+        yield from layout.to_hub({k: v for k, v in module.items() if k in kept}).items()

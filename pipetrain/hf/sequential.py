@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipetrain.hf.layout import HubLayout
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
@@ -40,7 +41,10 @@ Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, posi
 
 class CausalLMLayers(KeyedLayers):
     """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
-    a slice keeps the keys."""
+    a slice keeps the keys. ``checkpoint_layout``: how its hub checkpoints' keys become its
+    own (pipetrain/hf/layout.py)."""
+
+    checkpoint_layout: HubLayout
 
 
 def sequential(model: Any) -> CausalLMLayers:
@@ -82,6 +86,7 @@ def sequential(model: Any) -> CausalLMLayers:
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
     made = keyed(CausalLMLayers, layers)
+    made.checkpoint_layout = HubLayout(model)
     _make_unsaved(model, made)
     return made
 

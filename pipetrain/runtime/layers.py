@@ -44,8 +44,7 @@ class LayerSource:
                 "weights=... (a safetensors or .pt file of the whole model's state_dict)"
             )
         if self.weights is not None:
-            index = weightfile.read_index(self.weights)
-            weightfile.check_index(self.weights, index, model)
+            weightfile.reading(self.weights, model)
 
     def settings(self) -> dict[str, object]:
         """What every rank must agree on (for the start-up fingerprint)."""
@@ -58,9 +57,9 @@ class LayerSource:
         """Stage s (of ``devices``, stage -> device) on its device with its values. Returns
         the tensors that replaced meta ones, by the meta tensor's id."""
         made: dict[int, torch.Tensor] = {}
-        tied: dict[str, str] = {}
+        plan = None
         if self.weights is not None:  # before materializing: tied tensors are still shared
-            tied = weightfile.tied_keys(weightfile.read_index(self.weights), model)
+            plan = weightfile.reading(self.weights, model, check=False)
         if is_meta(model):
             where = {
                 offset + i: devices[s]
@@ -73,9 +72,9 @@ class LayerSource:
             init_layers(model, self.init_seed, self.init)
         for s, device in devices.items():  # and a meta model's tensors that were not meta
             parts[s][1].to(device)
-        if self.weights is not None:
+        if plan is not None:
             for s in devices:
-                weightfile.load_into(self.weights, parts[s][1], tied)
+                weightfile.load_into(plan.path, parts[s][1], plan)
         return made
 
 
