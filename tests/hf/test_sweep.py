@@ -41,17 +41,34 @@ def tiny(key: str) -> Any:
     for part in (made, getattr(made, "text_config", None)):
         if part is None:
             continue
+        layers = getattr(part, "num_hidden_layers", getattr(part, "num_layers", None))
         for name, value in TINY.items():
             if hasattr(part, name):
                 setattr(part, name, value)
-        types = getattr(part, "layer_types", None)
-        if isinstance(types, list) and len(types) > 2:
-            part.layer_types = [types[0], next((t for t in types if t != types[0]), types[0])]
+        if hasattr(part, "qk_head_dim"):  # multi-head latent attention's derived sizes
+            part.qk_head_dim = part.qk_nope_head_dim + part.qk_rope_head_dim
+            part.head_dim = part.qk_rope_head_dim
+            part.num_key_value_heads = part.num_attention_heads  # keys per head, not grouped
+        _two_layers(part, layers)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(part, name, None), int) and getattr(part, name) >= VOCAB:
                 setattr(part, name, 0)
     made._attn_implementation = "eager"
     return made
+
+
+def _two_layers(part: Any, layers: int | None) -> None:
+    """The config's per-layer lists for the two layers of TINY (so that it validates, and
+    saves): layer types of two kinds where it has two, any other list of one entry per layer
+    cut to its first two, GPT-Neo's attention pattern once."""
+    types = getattr(part, "layer_types", None)
+    if isinstance(types, list) and len(types) > 2:
+        part.layer_types = [types[0], next((t for t in types if t != types[0]), types[0])]
+    for name, value in list(vars(part).items()):
+        if name != "layer_types" and isinstance(value, list) and len(value) == layers:
+            setattr(part, name, value[:2])
+    if isinstance(getattr(part, "attention_types", None), list):  # [[pattern, repeats]]
+        part.attention_types = [[part.attention_types[0][0], 1]]
 
 
 def built(key: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
