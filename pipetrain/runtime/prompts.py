@@ -4,6 +4,7 @@ micro-batch's sequences as they grow, and the choice of its next tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -108,10 +109,8 @@ class Chooser:
         if self.unfinished is None:
             self.unfinished = torch.ones(rows, dtype=torch.bool, device=scores.device)
             first = self.microbatch * rows
-            self.generators = [
-                torch.Generator(scores.device).manual_seed((s.seed * 2**32 + first + r) % 2**63)
-                for r in range(rows)
-            ] if s.do_sample else []
+            seeds = [row_seed(s.seed, first + r) for r in range(rows)] if s.do_sample else []
+            self.generators = [torch.Generator(scores.device).manual_seed(n) for n in seeds]
         if s.do_sample:
             probs = (scores / s.temperature).softmax(-1)
             tokens = torch.cat([torch.multinomial(p, 1, generator=g)
@@ -125,6 +124,13 @@ class Chooser:
             self.unfinished &= tokens != s.eos_token_id
             done = done or not bool(self.unfinished.any())
         return tokens, done
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s generator: a hash of (seed, row) in 32 bits (torch's CPU
+    generator keeps 32 bits of a seed: ``seed * 2**32 + row`` would lose the seed)."""
+    digest = hashlib.blake2b(f"{seed}/{row}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def prompts(
