@@ -17,6 +17,12 @@ each rank's device, never loaded.
 
 The first stage takes ``input_ids`` or ``(input_ids, attention_mask)`` (or ``(input_ids,
 attention_mask, position_ids)``); the last layer returns the logits.
+
+For generation (``Pipeline.generate``) the layers decode incrementally
+(pipetrain/runtime/decoding.py): each step carries only the new tokens' hidden states and
+positions, with the mask of the whole sequence, and the blocks of a stage keep their keys and
+values in a cache of that stage's micro-batch (pipetrain/hf/cache.py), the 4-D mask built for
+the cache by the same mask functions.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipetrain.hf.cache import cache_argument, stage_cache
 from pipetrain.hf.layout import HubLayout
+from pipetrain.runtime.decoding import DecodeState
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
@@ -81,7 +89,7 @@ def sequential(model: Any) -> CausalLMLayers:
         layers.append((
             f"{base_name}.{layers_name}.{index}",
             Block(block, *_mask_function(config, index, base), config, positions,
-                  _layer_type(config, index), shared),
+                  (index, _layer_type(config, index)), shared),
         ))
     layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
     layers.append((head_name, head))
@@ -233,7 +241,14 @@ class Embedding(nn.Module):
             self.add_module(name, part)
 
     def forward(self, value: object) -> Boundary:
-        ids, mask, positions = _inputs(value)
+        return self._embed(*_inputs(value))
+
+    def decode(self, value: Boundary, state: DecodeState) -> Boundary:
+        """A generation step: the new tokens (batch, new), the mask of the whole sequence
+        (batch, past + new) and the new tokens' positions (pipetrain/runtime/decoding.py)."""
+        return self._embed(*value)
+
+    def _embed(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Boundary:
         tokens, *rest = self._modules.items()
         hidden = tokens[1](ids)  # type: ignore[misc]
         for name, part in rest:
@@ -343,18 +358,35 @@ class Block(View):
     mask: Callable[..., Any]
     config: Any
     positions: Positions | None
+    index: int  # its place in the stack: its attention's layer number in a cache
     layer_type: str | None
     shared: Shared
+    cache_name: str | None  # the name its forward takes a cache by (pipetrain/hf/cache.py)
 
     def __init__(
         self, inner: nn.Module, mask_kind: str, mask: Callable[..., Any], config: Any,
-        positions: Positions | None, layer_type: str | None, shared: Shared,
+        positions: Positions | None, place: tuple[int, str | None], shared: Shared,
     ):
         super().__init__(inner)
         self.__dict__.update(mask_kind=mask_kind, mask=mask, config=config,
-                             positions=positions, layer_type=layer_type, shared=shared)
+                             positions=positions, index=place[0], layer_type=place[1],
+                             shared=shared, cache_name=cache_argument(inner))
 
     def forward(self, value: Boundary) -> Boundary:
+        return self._run(value, None)
+
+    def decode(self, value: Boundary, state: DecodeState) -> Boundary:
+        """A generation step on the new tokens: keys and values of the earlier ones come
+        from the stage's cache of this micro-batch (pipetrain/hf/cache.py), which this block
+        extends with its own."""
+        if self.cache_name is None:
+            raise TypeError(f"{type(self.inner).__name__} takes no cache: it cannot generate "
+                            "incrementally")
+        return self._run(value, stage_cache(state, self.shared, self.config))
+
+    def _run(self, value: Boundary, cache: Any) -> Boundary:
+        """The block on ``value``; with ``cache``, one generation step (its 4-D mask sized
+        against this block's entry of the cache, before the block extends it)."""
         hidden, mask, positions = value
         extra: dict[str, Any] = {}
         rotary = self.positions
@@ -364,13 +396,15 @@ class Block(View):
                 lambda: rotary(hidden, positions, self.layer_type),
             )
         attention = self.shared.get(
-            mask, positions, hidden, ("mask", self.mask_kind),
-            lambda: self.mask(self.config, hidden, mask, positions),
+            mask, positions, hidden, ("mask", self.mask_kind, cache is not None),
+            lambda: self.mask(self.config, hidden, mask, positions, cache, self.index),
         )
+        if cache is not None:
+            extra[self.cache_name] = cache  # type: ignore[index]
         meta = _MetaKernels() if hidden.is_meta else None  # type: ignore[no-untyped-call]
         with meta or contextlib.nullcontext():
             out = self.inner(hidden, attention_mask=attention, position_ids=positions,
-                             use_cache=False, **extra)
+                             use_cache=cache is not None, **extra)
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
@@ -399,6 +433,10 @@ class Norm(View):
 
     def forward(self, value: Boundary) -> torch.Tensor:
         return self.inner(value[0])  # type: ignore[no-any-return]
+
+    def decode(self, value: Boundary, state: DecodeState) -> torch.Tensor:
+        """A generation step: the norm of the new tokens' hidden states."""
+        return self.forward(value)
 
 
 def transformers_module() -> Any:
@@ -454,15 +492,26 @@ def _mask_function(
     names = set(inspect.signature(build).parameters)
 
     def mask(config: Any, hidden: torch.Tensor, padding: torch.Tensor,
-             positions: torch.Tensor) -> Any:
+             positions: torch.Tensor, cache: Any = None, layer: int = 0) -> Any:
+        """The 4-D mask; with ``cache`` (generation), sized against block ``layer``'s entry."""
         if hidden.is_meta:  # shapes only (meta profiling): the mask's values are not there
             return None
         kwargs: dict[str, Any] = {"config": config, "attention_mask": padding,
                                   "position_ids": positions}
         kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
-        kwargs["cache" if "cache" in names else "past_key_values"] = None
+        kwargs["cache" if "cache" in names else "past_key_values"] = cache
+        if cache is not None:
+            if "layer_idx" not in names:
+                raise TypeError(
+                    f"this transformers' {build.__name__} takes no layer_idx, which "
+                    "generation through a pipeline needs (a stage's cache holds only its own "
+                    "layers): use a newer transformers"
+                )
+            kwargs["layer_idx"] = layer
         if "cache_position" in names:  # transformers before 5: positions of this call
-            kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+            past = cache.get_seq_length(layer) if cache is not None else 0
+            kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1],
+                                                    device=hidden.device)
         return build(**kwargs)
 
     return ("sliding" if sliding else "causal"), mask

@@ -25,6 +25,8 @@ from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import batch_agreement, microbatch
 from pipetrain.runtime.assembly import Tie, assemble, forward_only
 from pipetrain.runtime.config import PipelineConfig
+from pipetrain.runtime.decoding import incremental
+from pipetrain.runtime.generation import Generation
 from pipetrain.runtime.inflight import InFlight
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.loss_items import LossItems, takes_items
@@ -32,6 +34,7 @@ from pipetrain.runtime.metrics import StepMetrics
 from pipetrain.runtime.options import RENAMED, PipelineOptions, checked, renamed, with_options
 from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.planning import warn_other_microbatch
+from pipetrain.runtime.prompts import Sampling
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
@@ -213,6 +216,10 @@ class Pipeline:
             PipelineLayers, (kv for stage in self.stages for kv in positions(stage.module))
         )
         self._start_training(ties)
+        self._generation = Generation(  # the whole model's layers say how it decodes
+            self.world, self.stages, self.schedule, self._runner,
+            incremental(layer for _, layer in positions(model)),
+        )
         logger.info(
             "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
             len(self.balance), self.balance, config.schedule, config.chunks,
@@ -450,3 +457,40 @@ class Pipeline:
                 stage.module.train(mode)
         outputs = self._runner.outputs
         return microbatch.gather(outputs) if outputs else None
+
+    def generate(
+        self, input_ids: torch.Tensor | None, *, max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None, do_sample: bool = False,
+        temperature: float = 1.0, seed: int = 0, eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Continue each prompt by up to ``max_new_tokens`` tokens, in eval mode and without
+        gradients (training mode is restored after; an asynchronous pipeline is flushed
+        first). The batch is cut into ``chunks`` micro-batches that follow each other through
+        the stages, so the stages overlap. A model whose layers decode incrementally
+        (pipetrain.hf's: a key/value cache per stage and micro-batch) runs only the new token
+        at each step; any other is run over the whole sequence each step
+        (pipetrain/runtime/decoding.py, pipetrain/runtime/generation.py). Greedy decoding
+        gives transformers' ``generate(do_sample=False)`` on the same weights.
+
+        Args:
+            input_ids: the prompts (batch, seq), integer token ids; only the first stage
+                reads them (None elsewhere). The batch size must be a multiple of ``chunks``.
+            max_new_tokens: how many tokens to add at most (0: the prompts as they are).
+            attention_mask: 1 for a token, 0 for padding (pad on the left, as for
+                transformers' generate); positions count the tokens only.
+            do_sample: draw each token from softmax(logits / ``temperature``) instead of
+                taking the argmax; each row draws from a generator of its own seeded from
+                ``seed`` and its row, so a run is reproducible under any split and chunks.
+            eos_token_id: a row that produces it is finished: it then produces
+                ``pad_token_id`` (default: ``eos_token_id``), and generation stops once every
+                row is, as transformers' generate does (no default is read from a model).
+
+        Returns:
+            The sequences, prompt and new tokens, (batch, seq + new), on every rank, on the
+            device of its first stage (in one process: stage 0's).
+        """
+        sampling = Sampling(max_new_tokens, do_sample, temperature, seed, eos_token_id,
+                            pad_token_id)
+        self.flush()
+        return self._generation.run(input_ids, attention_mask, sampling)

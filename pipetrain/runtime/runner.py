@@ -56,11 +56,7 @@ class Runner:
         (pipetrain/runtime/handler.py; see Executor for ``base`` and ``losses_done``), or, with
         None, evaluating; the last rank's outputs land in ``outputs``. Returns the executors
         that ran."""
-        if self.failed:
-            raise PipelineError(
-                f"this pipeline stopped after a failure ({self.failed}); build a new one "
-                "(and reload a checkpoint) to go on"
-            )
+        self.check()
         training = handler is not None
         first, last = self.stages[0], self.stages[-1]
         inputs = self._split(x, "x", first) if first.is_first else None
@@ -84,6 +80,14 @@ class Runner:
             self.stop(error)
             logger.error("pipeline failed: %s", self.failed)
             raise
+
+    def check(self) -> None:
+        """Refuse to run once the pipeline has stopped after a failure."""
+        if self.failed:
+            raise PipelineError(
+                f"this pipeline stopped after a failure ({self.failed}); build a new one "
+                "(and reload a checkpoint) to go on"
+            )
 
     def save_trace(self, folder: Path) -> list[Path]:
         """Write the recorders' records under ``folder``."""

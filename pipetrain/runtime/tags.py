@@ -10,7 +10,8 @@ Every digit stays below its radix (checked here), so distinct (micro-batch, lane
 tensor) give distinct tags. ``TENSORS`` is what a header can describe at most, so the header
 refuses a tuple before its tags could spill into the next message's. All message tags lie below
 ``CONTROL``, where the transport's own tags start (``BREAK_TAG``, the probe that closes a link;
-``CLOCK_TAG``, the clock-offset pings), and those stay below 2**31 (a C int in every backend).
+``CLOCK_TAG``, the clock-offset pings; from ``GENERATION`` on, generation's messages,
+pipetrain/runtime/generation.py), and those stay below 2**31 (a C int in every backend).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ TENSORS = MAX_TENSORS  # tags per message: one per tensor of a tuple
 CONTROL = 2**30  # first tag that is no message of the schedule
 BREAK_TAG = CONTROL
 CLOCK_TAG = CONTROL + 1
-assert CLOCK_TAG < 2**31 - 1, "tags are C ints"
+GENERATION = CONTROL + TENSORS  # generation_tag's first
+assert CLOCK_TAG < GENERATION < 2**31 - 1, "tags are C ints"
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,17 @@ def tensor_tags(base: int, count: int) -> range:
             f"most {TENSORS} tensors across a stage boundary (e.g. stack or concatenate some)"
         )
     return range(base, base + count)
+
+
+def generation_tag(microbatch: int, boundary: int, header: bool, stages: int) -> int:
+    """The first tag of one of generation's messages: of micro-batch ``microbatch`` (the
+    number of micro-batches for the final result), across ``boundary`` (s joins stages s and
+    s + 1; ``stages - 1`` carries the chosen tokens back to the first stage), its header or its
+    payload. Refuses a tag past 2**31."""
+    tag = GENERATION + ((microbatch * stages + boundary) * 2 + int(not header)) * TENSORS
+    if tag + TENSORS >= 2**31:
+        raise ValueError(
+            f"generation with micro-batch {microbatch} of a {stages}-stage pipeline needs "
+            "message tags past 2**31: use fewer chunks"
+        )
+    return tag

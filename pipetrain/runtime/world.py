@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from pipetrain.runtime.tags import CLOCK_TAG
 from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
 from schedules import Schedule, lookup
 
+T = TypeVar("T")
 SentLoss = tuple[torch.Tensor, "dist.Work | None"]  # a loss on its way to every rank
 RankTies = Sequence[tuple[nn.Parameter, tuple[int, ...]]]  # a shared weight, the ranks using it
 
@@ -122,6 +123,11 @@ class World(ABC):
         targets: Sequence[object] | None, training: bool,
     ) -> list[Any]:
         """Run one executor per rank here; return the last rank's outputs."""
+
+    @abstractmethod
+    def run_ranks(self, work: Callable[[int, Transport], T]) -> list[T]:
+        """``work(rank, transport)`` for each rank here (in ``placement.ranks``' order), each
+        on a thread of its own where there are several; their results."""
 
     @abstractmethod
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
@@ -217,14 +223,19 @@ class ThreadWorld(World):
         """Each executor on a thread of its own (a new thread computes gradients whatever
         the caller's grad mode); the first failure that is not a peer's reaction to another
         is raised."""
+        results = self.run_ranks(lambda rank, transport: executors[rank].run(inputs, targets))
+        return results[-1]
+
+    def run_ranks(self, work: Callable[[int, Transport], T]) -> list[T]:
+        """The first failure that is not a peer's reaction to another is raised."""
         assert self._pool is not None, "place() comes first"
-        futures = [self._pool.submit(e.run, inputs, targets) for e in executors]
+        futures = [self._pool.submit(work, r, t)
+                   for r, t in zip(self.placement.ranks, self.transports, strict=True)]
         errors = [f.exception() for f in futures]
         root = next((e for e in errors if e and not isinstance(e, PeerError)), None)
         if root or any(errors):
             raise root or next(e for e in errors if e)
-        result: list[Any] = futures[-1].result()
-        return result
+        return [f.result() for f in futures]
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return value
@@ -339,6 +350,9 @@ class ProcessWorld(World):
         graph)."""
         with torch.enable_grad() if training else nullcontext():
             return executors[0].run(inputs, targets)
+
+    def run_ranks(self, work: Callable[[int, Transport], T]) -> list[T]:
+        return [work(self.rank, self._transport)]
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         work = dist.all_reduce(value, group=self.group, async_op=True)
