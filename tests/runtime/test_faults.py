@@ -99,7 +99,7 @@ def test_a_send_to_a_dead_peer_is_a_peer_error_naming_stage_peer_and_micro_batch
     status, (kind, message, took) = results[0]
     assert kind == "PeerError", message
     assert "stage 0 at action" in message, message
-    assert "sending to stage 1 on micro-batch" in message, message
+    assert "sending to stage 1 (rank 1) on micro-batch" in message, message
     assert took < 10
 
 
