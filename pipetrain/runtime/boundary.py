@@ -182,9 +182,11 @@ class Boundaries:
 
     def _peer_failed(self, action: Action, error: PeerError, doing: str) -> NoReturn:
         """Re-raise a transport's PeerError naming this stage, the peer and the micro-batch."""
+        peer = peer_of(action)
         where = (
             f"{self.where()} at action {self.position() + 1} of "
-            f"{len(self.actions)} ({action}) {doing} stage {action.peer} "
+            f"{len(self.actions)} ({action}) {doing} stage {peer} "
+            f"({self.transport.rank_name(self.schedule.rank_of(peer))}) "
             f"on micro-batch {action.microbatch}"
         )
         if isinstance(error, CommunicationTimeout):

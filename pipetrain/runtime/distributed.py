@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 import warnings
@@ -16,6 +17,8 @@ import torch.distributed as dist
 
 _OWN_CORES = False  # set by pin_to_cores: this rank has processors no other local rank uses
 _IO_THREAD = "gloo_tcp_loop"
+EXIT_WAIT = 5.0  # seconds a process whose pipeline failed across processes may take to exit
+_EXIT_BOUNDED = False  # set by bound_exit
 
 
 def init_distributed(
@@ -68,6 +71,31 @@ def shutdown(exit_code: int = 0) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(exit_code)
+
+
+def bound_exit() -> None:
+    """Once a pipeline of this process has failed across processes, let the process's exit
+    take at most EXIT_WAIT seconds: then it ends with status 1 (as on the uncaught error),
+    whatever its teardown still waits for. Calling it again is harmless.
+
+    Why: at the interpreter's end each gloo process group's destructor joins its worker
+    threads, and a worker inside a collective with a stopped peer (a SIGSTOPped rank) waits
+    out the group's own timeout (init_distributed's, 600 s by default): the rank raised
+    CommunicationTimeout on time and then did not exit. The transport closes the links that
+    hold such a collective (transport.py); this bounds what it cannot reach (a group of the
+    user's own). The watchdog, armed by the first exit handler to run, is faulthandler's
+    thread, which needs no interpreter to end the process."""
+    global _EXIT_BOUNDED
+    if not _EXIT_BOUNDED:
+        _EXIT_BOUNDED = True
+        atexit.register(_arm_exit_watchdog)
+
+
+def _arm_exit_watchdog() -> None:
+    """From the process's exit on, end it after EXIT_WAIT seconds (status 1, silently)."""
+    faulthandler.dump_traceback_later(
+        EXIT_WAIT, exit=True, file=os.open(os.devnull, os.O_WRONLY)
+    )
 
 
 def pin_to_cores(local_rank: int, local_world: int) -> list[int]:

@@ -39,7 +39,13 @@ class Groups:
     global_ranks: list[int]  # the global rank of each pipeline rank of this replica
     pipeline: dist.ProcessGroup  # this replica's ranks: activations and gradients
     replicas: dist.ProcessGroup | None  # this rank in every replica: gradient all-reduce
+    every: dist.ProcessGroup  # every rank of every replica (the pipeline's, with one): AGREE
     ties: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)  # by rank set
+
+    def all(self) -> list[dist.ProcessGroup]:
+        """Every group here, each once."""
+        found = [self.pipeline, self.every, self.replicas, *self.ties.values()]
+        return list({id(g): g for g in found if g is not None}.values())
 
 
 def _wrong_world(world: int, ranks: int, replicas: int | None) -> str:
@@ -96,11 +102,15 @@ def join(
     for rank_set in sorted(set(tied_rank_sets)):
         users = sorted(members[k * ranks + r] for k in range(replicas) for r in rank_set)
         ties[rank_set] = dist.new_group(users, timeout=span)
+    # the step's agreement in a group of the step's timeout, not the caller's (whose
+    # default, 600 s, a collective stuck on a stopped peer would wait out at exit)
+    every = dist.new_group(members, timeout=span) if replicas > 1 else None
     replica, rank = divmod(me, ranks)
     groups = Groups(
         global_ranks=members[replica * ranks : (replica + 1) * ranks],
         pipeline=pipelines[replica],
         replicas=columns[rank] if columns else None,
+        every=every or pipelines[replica],
         ties={s: g for s, g in ties.items() if rank in s},
     )
     return Placement((rank,), replica, replicas), groups

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import CommunicationTimeout, PeerError
+from pipetrain.runtime.distributed import bound_exit
 from pipetrain.runtime.meta import TensorMeta, empty_like_meta
 from pipetrain.runtime.tags import BREAK_TAG, tensor_tags
 
@@ -57,6 +58,10 @@ class Transport(ABC):
     @abstractmethod
     def abort(self, reason: str) -> None:
         """Record why this stage stops (first reason wins) and break its links."""
+
+    def rank_name(self, peer: int) -> str:
+        """Rank ``peer`` as errors name it: "rank R" (under torchrun, its global rank)."""
+        return f"rank {peer}"
 
     @abstractmethod
     def failure(self) -> str | None:
@@ -100,15 +105,21 @@ class DistributedTransport(Transport):
     ``ranks[r]``.
 
     A stage that stops publishes why under a key of the rendezvous store, then closes its
-    links to every peer (a receive that times out at once makes gloo close the link), so a
-    peer blocked on it fails at once even when this process lives on, and reads the reason
-    there. Every look-up in the store is bounded by STORE_WAIT: the store's host may be the
-    stuck rank."""
+    links to every peer in ``group`` and in every group of ``others`` (the other groups this
+    process trains in; a receive that times out at once makes gloo close the links of its
+    group), so a peer blocked on it fails at once even when this process lives on, and reads
+    the reason there; and a collective of this process blocked on a stopped peer ends too,
+    instead of holding the process's exit until the group's own timeout. Every look-up in the
+    store is bounded by STORE_WAIT: the store's host may be the stuck rank."""
 
-    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup, ranks: Sequence[int], device: torch.device,
+        others: Sequence[dist.ProcessGroup] = (),
+    ):
         self.group = group
         self.ranks = list(ranks)
         self.device = device
+        self._others = list(others)
         self._store = _default_store()
         self._store_stuck = False
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -146,28 +157,38 @@ class DistributedTransport(Transport):
         if self._aborted:
             return
         self._aborted = True
+        bound_exit()
         first = self._ask(lambda store: store.compare_set(self._key, "", reason)) == reason.encode()
-        self._close_links()
+        for group in (self.group, *self._others):
+            _close_links(group)
         if first:  # the root cause: the others stop because of it
             self._await_acknowledgements()
         dist.destroy_process_group(self.group)
 
-    def raise_if_stopped(self) -> None:
-        """Checks nothing: asking the store would cost a round trip per action; a peer's
-        failure shows at this rank's next wait instead."""
+    def rank_name(self, peer: int) -> str:
+        return f"rank {self.ranks[peer]}"
 
-    def _close_links(self) -> None:
-        """Close this rank's link to every peer of the group, so their waits on it fail now."""
+    def lost(self, group: dist.ProcessGroup) -> list[int]:
+        """The peers of ``group`` (global ranks) this process has lost the connection to: a
+        receive from a dead peer fails at once, from a live one it times out (which closes
+        the group's links: call it only on the way to abort)."""
         me = dist.get_rank()
-        for peer in self.ranks:
+        found = []
+        for peer in dist.get_process_group_ranks(group):
             if peer == me:
                 continue
             try:
-                probe = dist.irecv(torch.empty(1), peer, group=self.group, tag=BREAK_TAG)
+                probe = dist.irecv(torch.empty(1), peer, group=group, tag=BREAK_TAG)
                 if probe is not None:
                     probe.wait(timeout=timedelta(milliseconds=1))
-            except RuntimeError:  # timed out (the link is closed now) or closed already
-                pass
+            except RuntimeError as error:
+                if not is_timeout(error):
+                    found.append(peer)
+        return found
+
+    def raise_if_stopped(self) -> None:
+        """Checks nothing: asking the store would cost a round trip per action; a peer's
+        failure shows at this rank's next wait instead."""
 
     def _await_acknowledgements(self) -> None:
         """Give the peers up to STORE_WAIT to read the reason: when this process ends, the
@@ -208,22 +229,41 @@ class DistributedTransport(Transport):
             self._store_stuck = True
         return answer.get("value")
 
-    def raise_failure(self, error: RuntimeError) -> NoReturn:
-        """Turn a backend error into a PeerError that says what happened to whom."""
-        if is_timeout(error):
-            raise CommunicationTimeout(str(error)) from error
+    def stop_reason(self) -> str | None:
+        """Why another stage stopped, as it published (acknowledged: see abort), if it did."""
         reason = self.failure()
         if reason is None:  # the failing peer records its reason just before it closes links
             time.sleep(0.05)
             reason = self.failure()
+        if reason and not self._acknowledged:
+            self._acknowledged = True
+            self._ask(lambda store: store.add(self._key + "/seen", 1))
+        return reason
+
+    def raise_failure(self, error: RuntimeError) -> NoReturn:
+        """Turn a backend error of a send or receive into a PeerError that says what happened
+        (the caller names the peer)."""
+        if is_timeout(error):
+            raise CommunicationTimeout(str(error)) from error
+        reason = self.stop_reason()
         if reason:
-            if not self._acknowledged:
-                self._acknowledged = True
-                self._ask(lambda store: store.add(self._key + "/seen", 1))
             raise PeerError(reason) from error
-        raise PeerError(
-            f"lost the connection to a peer ({error}); its process probably died"
-        ) from error
+        raise PeerError(f"lost the connection ({error}); its process probably died") from error
+
+
+def _close_links(group: dist.ProcessGroup) -> None:
+    """Close this rank's link to every peer of ``group``, so their waits on it fail now, and
+    so do this process's own operations in it (a collective blocked on a stopped peer)."""
+    me = dist.get_rank()
+    for peer in dist.get_process_group_ranks(group):
+        if peer == me:
+            continue
+        try:
+            probe = dist.irecv(torch.empty(1), peer, group=group, tag=BREAK_TAG)
+            if probe is not None:
+                probe.wait(timeout=timedelta(milliseconds=1))
+        except (RuntimeError, ValueError):  # timed out (the link is closed now), closed already
+            pass
 
 
 def _default_store() -> dist.Store | None:

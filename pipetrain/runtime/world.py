@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.errors import PeerError
+from pipetrain.errors import CommunicationTimeout, PeerError
 from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
 from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync
@@ -31,7 +31,7 @@ from pipetrain.runtime.distributed import local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
 from pipetrain.runtime.tags import CLOCK_TAG
-from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
+from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport, is_timeout
 from schedules import Schedule, lookup
 
 T = TypeVar("T")
@@ -295,10 +295,55 @@ class ProcessWorld(World):
             )
         self.rank = self.placement.ranks[0]
         self._device = local_device()
+        user = self.group or dist.group.WORLD
+        assert user is not None, "join() checked that there is a process group"
+        others = [g for g in (*self.groups.all(), user) if g is not self.groups.pipeline]
         self._transport = DistributedTransport(
-            self.groups.pipeline, self.groups.global_ranks, self._device
+            self.groups.pipeline, self.groups.global_ranks, self._device, others
         )
         self.transports = [self._transport]
+        self._names = self._rank_names(schedule, dist.get_process_group_ranks(user))
+
+    def _rank_names(self, schedule: Schedule, members: Sequence[int]) -> dict[int, str]:
+        """How errors name each global rank of ``members`` (replica-major, placement.py):
+        "stage S (rank R)", its replica added where there are several."""
+        names = {}
+        for index, global_rank in enumerate(members):
+            replica, rank = divmod(index, schedule.ranks)
+            stages = schedule.stages_on(rank)
+            named = f"stage {stages[0]}" if len(stages) == 1 else (
+                f"stages {', '.join(map(str, stages))}")
+            of = f" of replica {replica}" if self.placement.replicas > 1 else ""
+            names[global_rank] = f"{named}{of} (rank {global_rank})"
+        return names
+
+    def _collective_failed(
+        self, error: RuntimeError, what: str, groups: Sequence[dist.ProcessGroup]
+    ) -> NoReturn:
+        """Raise a backend ``error`` of collective ``what`` in ``groups`` as a PeerError that
+        names the peer: the stage that stopped, as it published; the peers this rank lost the
+        connection to (probed: a collective's error does not say which); on a timeout, the
+        peers it waited for."""
+        me = dist.get_rank()
+        peers = sorted({r for g in groups for r in dist.get_process_group_ranks(g)} - {me})
+        where = f"{self._names[me]}: {what}"
+        if is_timeout(error):
+            raise CommunicationTimeout(
+                f"{where} with {self._named(peers)} did not complete within "
+                f"timeout={self.timeout:g} s. The peer is slow, hung or its schedule differs; "
+                f"raise Pipeline(timeout=...) if it is only slow. ({error})"
+            ) from error
+        reason = self._transport.stop_reason()
+        if reason:
+            raise PeerError(f"{where} failed: {reason}") from error
+        lost = [r for g in groups for r in self._transport.lost(g)]
+        raise PeerError(
+            f"{where} lost the connection to {self._named(lost or peers)}; its process "
+            f"probably died ({error})"
+        ) from error
+
+    def _named(self, ranks: Sequence[int]) -> str:
+        return ", ".join(self._names[r] for r in sorted(set(ranks)))
 
     def device(self, rank: int) -> torch.device:
         return self._device
@@ -355,12 +400,13 @@ class ProcessWorld(World):
         return [work(self.rank, self._transport)]
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        work = dist.all_reduce(value, group=self.group, async_op=True)
+        work = dist.all_reduce(value, group=self.groups.every, async_op=True)
         assert work is not None
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            self._transport.raise_failure(error)
+            self._collective_failed(error, "the step's agreement (an all-reduce over every "
+                                    "rank)", [self.groups.every])
         return value
 
     def share_loss(self, loss: torch.Tensor) -> SentLoss:
@@ -371,6 +417,7 @@ class ProcessWorld(World):
         """Raises PeerError (this rank's links broken) when the loss does not arrive."""
         value, work = sent
         assert work is not None
+        groups = [g for g in (self.groups.pipeline, self.groups.replicas) if g is not None]
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
             if self.groups.replicas is not None:  # the mean over every replica's batch
@@ -378,7 +425,8 @@ class ProcessWorld(World):
                 value /= self.placement.replicas
         except RuntimeError as error:
             try:
-                self._transport.raise_failure(error)
+                self._collective_failed(error, "the loss's broadcast from the last stage",
+                                        groups)
             except PeerError as failure:
                 self._transport.abort(f"rank {self.rank} stopped: {failure}")
                 raise

@@ -217,10 +217,10 @@ def test_a_silent_peer_times_out_naming_peer_micro_batch_and_position():
                 if kind == "CommunicationTimeout"]
     assert timeouts, results
     rank, message = timeouts[0]
-    assert f"waiting for stage {1 - rank} on micro-batch" in message, message
+    assert f"waiting for stage {1 - rank} (rank {1 - rank}) on micro-batch" in message, message
     assert "at action" in message and "timeout=1 s" in message, message
     if rank == 0:
-        assert "waiting for stage 1 on micro-batch 0" in message, message
+        assert "waiting for stage 1 (rank 1) on micro-batch 0" in message, message
     other_kind = results[1 - rank][1][0]
     assert other_kind in ("CommunicationTimeout", "PeerError"), results
 

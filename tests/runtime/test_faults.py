@@ -11,6 +11,7 @@ import pytest
 from torch import nn
 
 import pipetrain
+from benchmarks.fault_runs import passed, run_case
 from pipetrain.errors import CommunicationTimeout, PipelineError, StageError
 from tests.runtime.harness import run_ranks
 from tests.runtime.models import batches, mlp, sgd
@@ -99,7 +100,7 @@ def test_a_send_to_a_dead_peer_is_a_peer_error_naming_stage_peer_and_micro_batch
     status, (kind, message, took) = results[0]
     assert kind == "PeerError", message
     assert "stage 0 at action" in message, message
-    assert "sending to stage 1 on micro-batch" in message, message
+    assert "sending to stage 1 (rank 1) on micro-batch" in message, message
     assert took < 10
 
 
@@ -133,6 +134,32 @@ def test_a_stopped_store_host_times_out_within_the_timeout(tmp_path):
     assert kind == CommunicationTimeout.__name__, message
     assert "timeout=3 s" in message, message
     assert took < 3 + 2.5, f"stopped after {took:.1f} s with timeout=3"
+
+
+SCRIPT_CASES = [("stopped store host", "CommunicationTimeout", "stage 0 (rank 0)"),
+                ("killed rank", "PeerError", "stage 1 (rank 1)")]
+
+
+@pytest.mark.parametrize(("case", "kind", "peer"), SCRIPT_CASES)
+def test_a_scripts_other_rank_exits_naming_the_peer(case, kind, peer):
+    """A user's script (tests/runtime/jobs/fault_job.py) whose peer is SIGSTOPped (the store's
+    host) or SIGKILLed mid-training, from outside, at a random moment: the other process
+    exits non-zero within timeout + 10 s (timeout=3). Before: after a stop it raised but did
+    not exit (its gloo teardown waited 600 s for a collective with the stopped rank)."""
+    run = run_case(case, timeout=3, seed=int(time.time()))
+    assert passed(run, 3), run
+    assert kind in run.error and peer in run.error, run.error
+
+
+@pytest.mark.parametrize(("case", "kind", "peer"), SCRIPT_CASES)
+def test_a_peer_lost_in_a_collective_is_named_and_the_rank_exits(case, kind, peer):
+    """The same, the peer hit as it enters the step's agreement, so that the other rank
+    waits in an all-reduce, not a receive. Before: "lost the connection to a peer", naming
+    no one, and after a stop no exit."""
+    run = run_case(case, timeout=3, at_agree=True)
+    assert passed(run, 3), run
+    assert kind in run.error and peer in run.error, run.error
+    assert "the step's agreement" in run.error, run.error
 
 
 def test_stage_error_is_still_the_root_class():

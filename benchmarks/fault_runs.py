@@ -1,0 +1,197 @@
+"""Does every rank of a user's script exit when a peer stops or dies (issue 50)? Measured on
+real processes, as many runs of each case as asked.
+
+Each run starts tests/runtime/jobs/fault_job.py as two processes with torchrun's environment
+(RANK, WORLD_SIZE, MASTER_ADDR, ...; no agent, which would kill the survivor for it). Both
+train a 2-stage MLP (1F1B, chunks 4, ``Pipeline(timeout=3)``, the process group's own timeout
+left at its default) and print a line per step. After a few steps, at a random moment, the
+launcher hits one rank from outside:
+
+- stopped store host: SIGSTOP to rank 0, which hosts the rendezvous store;
+- killed rank: SIGKILL to rank 1.
+
+It then times how long the other rank's process takes to EXIT (not to raise), from the
+signal, and reads the error it printed: the run passes when that rank exited non-zero within
+``timeout + 10`` s and its error names the peer as "stage S (rank R)". A rank still
+running at ``timeout + 30`` s is killed and counted as a hang.
+
+    nice -n 10 python benchmarks/fault_runs.py --runs 20 [--at-agree]
+
+``--at-agree`` adds each case with the rank hit as it enters the step's agreement (it signals
+itself there), so that the other rank's wait is a collective's, not a receive's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "runtime" / "jobs" / "fault_job.py"
+CASES = {  # name: (the rank hit, its signal)
+    "stopped store host": (0, signal.SIGSTOP),
+    "killed rank": (1, signal.SIGKILL),
+}
+WARMUP_STEPS = 3  # steps both ranks finish before the fault
+_ERROR = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Timeout|Exception|Interrupt)\b.*?: ")
+
+
+@dataclass
+class Run:
+    """One run of a case: how the surviving rank ended."""
+
+    exit_code: int | None  # None: it hung (killed by the launcher)
+    exit_time: float  # seconds from the signal to the process's exit
+    error: str  # the exception it printed last on stderr
+    named_peer: bool  # whether that line names the peer as "stage S (rank R)"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(
+    folder: Path, timeout: float, port: int, extra: list[str]
+) -> list[subprocess.Popen[bytes]]:
+    """The job's two ranks (``extra``: more arguments), their output in ``folder``/rank{r}.out
+    and .err."""
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(folder / f"rank{rank}.out", "wb") as out, \
+                open(folder / f"rank{rank}.err", "wb") as err:
+            command = [sys.executable, str(JOB), "--timeout", str(timeout), *extra]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT))
+    return procs
+
+
+def _steps(folder: Path, rank: int) -> int:
+    """How many steps rank ``rank`` has printed."""
+    return (folder / f"rank{rank}.out").read_text().count("step ")
+
+
+def _await_training(folder: Path, procs: list[subprocess.Popen[bytes]], limit: float) -> None:
+    """Wait until every rank has printed WARMUP_STEPS steps."""
+    stop = time.monotonic() + limit
+    while any(_steps(folder, r) < WARMUP_STEPS for r in range(len(procs))):
+        if time.monotonic() > stop or any(p.poll() is not None for p in procs):
+            errors = [(folder / f"rank{r}.err").read_text()[-2000:] for r in range(len(procs))]
+            raise RuntimeError(f"the job did not start training: {errors}")
+        time.sleep(0.02)
+
+
+def _error_line(text: str) -> str:
+    """The last line of ``text`` that states an exception ("module.Class: message"): the
+    error a traceback ends with, before any notes."""
+    lines = [line for line in text.splitlines() if _ERROR.match(line)]
+    return lines[-1] if lines else (text.strip().splitlines() or [""])[-1]
+
+
+def _hit_from_outside(
+    folder: Path, procs: list[subprocess.Popen[bytes]], victim: int, sig: int, seed: int | None
+) -> float:
+    """Signal ``victim`` at a random moment of a step after the warm-up; when (wall clock)."""
+    _await_training(folder, procs, 120)
+    time.sleep(random.Random(seed).uniform(0, 0.1))  # anywhere in a step
+    os.kill(procs[victim].pid, sig)
+    return time.time()
+
+
+def _hit_by_itself(folder: Path, procs: list[subprocess.Popen[bytes]], victim: int) -> float:
+    """When (wall clock) ``victim`` signalled itself, entering the step's agreement."""
+    stop = time.monotonic() + 120
+    while "hit " not in (text := (folder / f"rank{victim}.out").read_text()):
+        if time.monotonic() > stop or any(p.poll() not in (None, -signal.SIGKILL) for p in procs):
+            raise RuntimeError(f"no hit: {(folder / f'rank{victim}.err').read_text()[-2000:]}")
+        time.sleep(0.02)
+    return float(text.split("hit ")[1].split()[0])
+
+
+def run_case(
+    case: str, timeout: float = 3.0, seed: int | None = None, at_agree: bool = False
+) -> Run:
+    """One run of ``case``: start the job, hit a rank mid-training (``at_agree``: as it enters
+    the step's agreement, so that its peer waits in a collective), time the other's exit."""
+    victim, sig = CASES[case]
+    survivor = 1 - victim
+    extra = ["--hit-at-agree", str(victim), sig.name[3:]] if at_agree else []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        procs = _start(folder, timeout, _free_port(), extra)
+        try:
+            hit = (_hit_by_itself(folder, procs, victim) if at_agree
+                   else _hit_from_outside(folder, procs, victim, sig, seed))
+            try:
+                code: int | None = procs[survivor].wait(hit + timeout + 30 - time.time())
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.time() - hit
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        error = _error_line((folder / f"rank{survivor}.err").read_text())
+    return Run(code, took, error, f"stage {victim} (rank {victim})" in error)
+
+
+def passed(run: Run, timeout: float) -> bool:
+    """Whether the surviving rank exited non-zero within ``timeout + 10`` s."""
+    return run.exit_code not in (None, 0) and run.exit_time <= timeout + 10
+
+
+def _kind(error: str) -> str:
+    """The class of the exception on ``error``'s line, without its module."""
+    head = error.removeprefix(error.split(": ")[0] + ": ") if error.startswith("[rank") else error
+    return head.split(":")[0].rsplit(".", 1)[-1] or "(nothing)"
+
+
+def _row(case: str, runs: list[Run], timeout: float) -> str:
+    """The table's row of ``case``."""
+    times = [r.exit_time for r in runs]
+    seen = sorted({_kind(r.error) for r in runs})
+    return (f"| {case} | {len(runs)} | {sum(passed(r, timeout) for r in runs)}/{len(runs)} "
+            f"| {statistics.median(times):.1f} / {max(times):.1f} "
+            f"| {sum(r.named_peer for r in runs)}/{len(runs)} | {', '.join(seen)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--at-agree", action="store_true",
+                        help="also each case with the rank hit as it enters the agreement")
+    args = parser.parse_args()
+    print(f"code: {ROOT}, Pipeline(timeout={args.timeout:g}), {args.runs} runs per case")
+    print("| case | runs | exited non-zero within timeout + 10 s | exit time median / max (s) "
+          "| named the peer's stage and rank | errors raised |")
+    print("|---|---|---|---|---|---|")
+    for at_agree in (False, True) if args.at_agree else (False,):
+        for case in args.cases:
+            runs = [run_case(case, args.timeout, i, at_agree) for i in range(args.runs)]
+            print(_row(f"{case}{', at the agreement' if at_agree else ''}", runs, args.timeout),
+                  flush=True)
+            for r in runs:
+                if not (passed(r, args.timeout) and r.named_peer):
+                    print(f"  failed run: exit {r.exit_code} after {r.exit_time:.1f} s: "
+                          f"{r.error}")
+
+
+if __name__ == "__main__":
+    main()
