@@ -9,6 +9,7 @@ of other stages' layers stay empty, so a mask is sized against the block's own e
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -36,3 +37,27 @@ def stage_cache(state: DecodeState, key: object, config: Any) -> Any:
         return transformers.DynamicCache(config=config)
 
     return state.held(key, make)
+
+
+class OneLayer:
+    """Layer ``layer``'s entry of a stage's ``cache`` as a cache of that one layer, for
+    transformers' mask builders: they size a mask against the first layer of its kind in the
+    cache they are given (its ``is_sliding`` list) or the one ``layer_idx`` names, and a
+    stage's cache holds only its own layers. Per-layer lists read as this layer's alone; a
+    method taking ``layer_idx`` is asked about this layer."""
+
+    def __init__(self, cache: Any, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.cache, name)
+        if isinstance(value, list | tuple) and len(value) == len(self.cache.layers):
+            return [value[self.layer]]
+        if callable(value) and "layer_idx" in inspect.signature(value).parameters:
+            return functools.partial(self._at_layer, value)
+        return value
+
+    def _at_layer(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(method).bind_partial(*args, **kwargs)
+        bound.arguments["layer_idx"] = self.layer
+        return method(*bound.args, **bound.kwargs)

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipetrain.hf.cache import cache_argument, stage_cache
+from pipetrain.hf.cache import OneLayer, cache_argument, stage_cache
 from pipetrain.hf.layout import HubLayout
 from pipetrain.runtime.decoding import DecodeState
 from pipetrain.runtime.stage_module import KeyedLayers, keyed
@@ -499,15 +499,8 @@ def _mask_function(
         kwargs: dict[str, Any] = {"config": config, "attention_mask": padding,
                                   "position_ids": positions}
         kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
-        kwargs["cache" if "cache" in names else "past_key_values"] = cache
-        if cache is not None:
-            if "layer_idx" not in names:
-                raise TypeError(
-                    f"this transformers' {build.__name__} takes no layer_idx, which "
-                    "generation through a pipeline needs (a stage's cache holds only its own "
-                    "layers): use a newer transformers"
-                )
-            kwargs["layer_idx"] = layer
+        kwargs["cache" if "cache" in names else "past_key_values"] = (
+            None if cache is None else OneLayer(cache, layer))
         if "cache_position" in names:  # transformers before 5: positions of this call
             past = cache.get_seq_length(layer) if cache is not None else 0
             kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1],

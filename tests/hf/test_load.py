@@ -83,4 +83,6 @@ def test_buffers_no_checkpoint_holds_are_made_from_the_config(tmp_path: Path) ->
                               **options())
     ids = torch.randint(0, 64, (2, 5))
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert torch.equal(pipe.eval_step(ids), reference(ids).logits)
+    # the same weights and buffers; the model builds its own mask (sdpa may take its causal
+    # path), the pipeline passes one, so the kernels differ in the last bits on some CPUs
+    assert torch.allclose(pipe.eval_step(ids), reference(ids).logits, atol=1e-6, rtol=0)
