@@ -172,19 +172,9 @@ class DistributedTransport(Transport):
         """The peers of ``group`` (global ranks) this process has lost the connection to: a
         receive from a dead peer fails at once, from a live one it times out (which closes
         the group's links: call it only on the way to abort)."""
-        me = dist.get_rank()
-        found = []
-        for peer in dist.get_process_group_ranks(group):
-            if peer == me:
-                continue
-            try:
-                probe = dist.irecv(torch.empty(1), peer, group=group, tag=BREAK_TAG)
-                if probe is not None:
-                    probe.wait(timeout=timedelta(milliseconds=1))
-            except RuntimeError as error:
-                if not is_timeout(error):
-                    found.append(peer)
-        return found
+        failed = {peer: _probe(peer, group) for peer in _peers(group)}
+        return [peer for peer, error in failed.items()
+                if isinstance(error, RuntimeError) and not is_timeout(error)]
 
     def raise_if_stopped(self) -> None:
         """Checks nothing: asking the store would cost a round trip per action; a peer's
@@ -254,16 +244,25 @@ class DistributedTransport(Transport):
 def _close_links(group: dist.ProcessGroup) -> None:
     """Close this rank's link to every peer of ``group``, so their waits on it fail now, and
     so do this process's own operations in it (a collective blocked on a stopped peer)."""
-    me = dist.get_rank()
-    for peer in dist.get_process_group_ranks(group):
-        if peer == me:
-            continue
-        try:
-            probe = dist.irecv(torch.empty(1), peer, group=group, tag=BREAK_TAG)
-            if probe is not None:
-                probe.wait(timeout=timedelta(milliseconds=1))
-        except (RuntimeError, ValueError):  # timed out (the link is closed now), closed already
-            pass
+    for peer in _peers(group):
+        _probe(peer, group)  # timed out (the link is closed now), or closed already
+
+
+def _peers(group: dist.ProcessGroup) -> list[int]:
+    """The other ranks of ``group`` (global ranks)."""
+    return [peer for peer in dist.get_process_group_ranks(group) if peer != dist.get_rank()]
+
+
+def _probe(peer: int, group: dist.ProcessGroup) -> RuntimeError | ValueError | None:
+    """Wait 1 ms for a message no one sends from ``peer``: the error says how the link is (a
+    timeout: alive, and the wait closed the link; another: lost or closed already)."""
+    try:
+        probe = dist.irecv(torch.empty(1), peer, group=group, tag=BREAK_TAG)
+        if probe is not None:
+            probe.wait(timeout=timedelta(milliseconds=1))
+    except (RuntimeError, ValueError) as error:
+        return error
+    return None
 
 
 def _default_store() -> dist.Store | None:
