@@ -185,6 +185,7 @@ def _assert_every_survivor_named(runs: dict, kinds: tuple[str, ...], peer: str) 
         assert peer in run.error and any(k in run.error for k in kinds), (rank, run.error)
 
 
+@pytest.mark.slow  # 4 processes: about 30 s on 2 busy cores
 def test_a_replica_killed_in_the_gradient_all_reduce_is_named_by_every_rank():
     """2 stages x 2 replicas, stage 1 of replica 0 (rank 1) SIGKILLed as it enters the
     gradient all-reduce: the 3 other processes exit non-zero within timeout + 10 s, each
