@@ -201,7 +201,8 @@ def test_a_replica_stopped_in_the_gradient_all_reduce_is_named_by_every_rank():
     """The same with stage 0 of replica 0 (rank 0, the store's host) SIGSTOPped: every other
     process times out naming it, or reads a peer's reason that does, and exits."""
     runs = run_job("stopped store host", timeout=3, at="gradients", replicas=2)
-    _assert_every_survivor_named(runs, ("CommunicationTimeout", "PeerError"), "stage 0 of replica 0 (rank 0)")
+    _assert_every_survivor_named(runs, ("CommunicationTimeout", "PeerError"),
+                                 "stage 0 of replica 0 (rank 0)")
     assert "CommunicationTimeout" in runs[2].error, runs[2].error
 
 
