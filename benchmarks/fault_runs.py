@@ -19,6 +19,9 @@ running at ``timeout + 30`` s is killed and counted as a hang.
 
 ``--at-agree`` adds each case with the rank hit as it enters the step's agreement (it signals
 itself there), so that the other rank's wait is a collective's, not a receive's.
+:func:`run_job` also hits a rank of 2 replicas (4 processes) in the gradient all-reduce, or
+any rank in the start-up check of the settings or the first step's check of the batch
+(tests/runtime/test_faults.py).
 """
 
 from __future__ import annotations
@@ -65,14 +68,15 @@ def _free_port() -> int:
 
 
 def _start(
-    folder: Path, timeout: float, port: int, extra: list[str]
+    folder: Path, timeout: float, port: int, extra: list[str], world: int
 ) -> list[subprocess.Popen[bytes]]:
-    """The job's two ranks (``extra``: more arguments), their output in ``folder``/rank{r}.out
-    and .err."""
+    """The job's ``world`` ranks (``extra``: more arguments), their output in
+    ``folder``/rank{r}.out and .err."""
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
         with open(folder / f"rank{rank}.out", "wb") as out, \
                 open(folder / f"rank{rank}.err", "wb") as err:
             command = [sys.executable, str(JOB), "--timeout", str(timeout), *extra]
@@ -113,7 +117,7 @@ def _hit_from_outside(
 
 
 def _hit_by_itself(folder: Path, procs: list[subprocess.Popen[bytes]], victim: int) -> float:
-    """When (wall clock) ``victim`` signalled itself, entering the step's agreement."""
+    """When (wall clock) ``victim`` signalled itself, entering the place it was told."""
     stop = time.monotonic() + 120
     while "hit " not in (text := (folder / f"rank{victim}.out").read_text()):
         if time.monotonic() > stop or any(p.poll() not in (None, -signal.SIGKILL) for p in procs):
@@ -122,32 +126,62 @@ def _hit_by_itself(folder: Path, procs: list[subprocess.Popen[bytes]], victim: i
     return float(text.split("hit ")[1].split()[0])
 
 
-def run_case(
-    case: str, timeout: float = 3.0, seed: int | None = None, at_agree: bool = False
-) -> Run:
-    """One run of ``case``: start the job, hit a rank mid-training (``at_agree``: as it enters
-    the step's agreement, so that its peer waits in a collective), time the other's exit."""
+def _await_exits(
+    procs: list[subprocess.Popen[bytes]], ranks: list[int], until: float
+) -> dict[int, tuple[int | None, float]]:
+    """Per rank of ``ranks``, its exit code and when (wall clock) it exited, polled until
+    ``until`` (wall clock); (None, until) for one still running then."""
+    ended: dict[int, tuple[int | None, float]] = {}
+    while len(ended) < len(ranks) and time.time() < until:
+        for r in ranks:
+            if r not in ended and procs[r].poll() is not None:
+                ended[r] = (procs[r].returncode, time.time())
+        time.sleep(0.02)
+    return {r: ended.get(r, (None, until)) for r in ranks}
+
+
+def peer_name(rank: int, replicas: int) -> str:
+    """How errors name global rank ``rank`` of the job's 2-stage pipeline x ``replicas``."""
+    replica, stage = divmod(rank, 2)
+    return f"stage {stage}{f' of replica {replica}' if replicas > 1 else ''} (rank {rank})"
+
+
+def run_job(
+    case: str, timeout: float = 3.0, seed: int | None = None, at: str | None = None,
+    replicas: int = 1,
+) -> dict[int, Run]:
+    """One run of ``case`` on ``replicas`` replicas: start the job, hit a rank mid-training
+    (``at``: as it enters that place of fault_job.py's PLACES, so that its peers wait
+    there), time the others' exits; per surviving rank, how it ended."""
     victim, sig = CASES[case]
-    survivor = 1 - victim
-    extra = ["--hit-at-agree", str(victim), sig.name[3:]] if at_agree else []
+    extra = ["--replicas", str(replicas)]
+    extra += ["--hit", str(victim), sig.name[3:], at] if at else []
+    survivors = [r for r in range(2 * replicas) if r != victim]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        procs = _start(folder, timeout, _free_port(), extra)
+        procs = _start(folder, timeout, _free_port(), extra, 2 * replicas)
         try:
-            hit = (_hit_by_itself(folder, procs, victim) if at_agree
+            hit = (_hit_by_itself(folder, procs, victim) if at
                    else _hit_from_outside(folder, procs, victim, sig, seed))
-            try:
-                code: int | None = procs[survivor].wait(hit + timeout + 30 - time.time())
-            except subprocess.TimeoutExpired:
-                code = None
-            took = time.time() - hit
+            ended = _await_exits(procs, survivors, hit + timeout + 30)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        error = _error_line((folder / f"rank{survivor}.err").read_text())
-    return Run(code, took, error, f"stage {victim} (rank {victim})" in error)
+        errors = {r: _error_line((folder / f"rank{r}.err").read_text()) for r in survivors}
+    named = peer_name(victim, replicas)
+    return {r: Run(code, when - hit, errors[r], named in errors[r])
+            for r, (code, when) in ended.items()}
+
+
+def run_case(
+    case: str, timeout: float = 3.0, seed: int | None = None, at_agree: bool = False
+) -> Run:
+    """One run of ``case`` on the job's two ranks (``at_agree``: the rank hit as it enters the
+    step's agreement, so that its peer waits in a collective): how the other ended."""
+    (run,) = run_job(case, timeout, seed, "agree" if at_agree else None).values()
+    return run
 
 
 def passed(run: Run, timeout: float) -> bool:

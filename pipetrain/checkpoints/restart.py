@@ -85,7 +85,8 @@ def start_or_resume(
     ranks may resume while another's would start afresh.)"""
     _exclusive(resume, fresh)
     refusal = None if resume or fresh else _refusal(folder)
-    views = pipe.world.gather_objects((restarted(), refusal), every_replica=True)
+    views = pipe.world.gather_objects((restarted(), refusal), "the check of a restart",
+                                      every_replica=True)
     if resume or any(again for again, _ in views):
         resumed = pipe.load(folder)
     elif views[0][1] is not None:

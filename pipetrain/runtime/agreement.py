@@ -2,16 +2,20 @@
 
 Ranks that pass a different balance, chunk count, schedule or model would otherwise train
 silently wrong (a layer on two stages, or on none). Each rank gathers every rank's
-fingerprint over the pipeline's process group (bounded by its timeout) and refuses to start,
-naming what differs and on which rank.
+fingerprint over the pipeline's process group (created with the pipeline's timeout, which
+bounds the gather: a stopped or dead peer is a CommunicationTimeout or PeerError naming it,
+collectives.py) and refuses to start, naming what differs and on which rank.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.collectives import Collectives
 
 
 def fingerprint(model: nn.Sequential, **settings: Any) -> dict[str, Any]:
@@ -43,10 +47,14 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     return found
 
 
-def check_same(mine: dict[str, Any], group: dist.ProcessGroup, ranks: list[int]) -> None:
-    """Raise ValueError on every rank of ``group`` unless all built ``mine``."""
+def check_same(
+    mine: dict[str, Any], group: dist.ProcessGroup, ranks: list[int], collectives: Collectives
+) -> None:
+    """Raise ValueError on every rank of ``group`` unless all built ``mine`` (``collectives``
+    bounds the gather and names a peer that does not answer)."""
     every: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(every, mine, group=group)
+    collectives.call("the start-up check of the settings", [group],
+                     lambda: dist.all_gather_object(every, mine, group=group))
     for rank, theirs in zip(ranks, every, strict=True):
         found = differences(mine, theirs)
         if found:

@@ -143,6 +143,8 @@ def assemble(
         syncs: list[Sync]
         sharding = None
         if zero >= 2 and group is not None:
+            collectives = world.replica_collectives()
+            assert collectives is not None, "a replica group comes with its waits"
             offset, layers = parts[s][0], StageModule.of(parts[s][1])
             parts[s] = (offset, layers)
             bring_up = partial(_bring_up_layer, source, model, offset, devices[s])
@@ -150,7 +152,7 @@ def assemble(
             sharding = ShardedGradients(layers, group, zero, devices[s],
                                         bring_up if by_layer else None, whole,
                                         split_backward=schedule.splits_backward,
-                                        timeout=config.timeout)
+                                        collectives=collectives)
             syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]

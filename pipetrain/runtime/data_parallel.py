@@ -22,15 +22,16 @@ made (``.grad = None`` until :meth:`GradientSync.rebind`, before the next step's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.errors import PeerError
 from pipetrain.runtime import readback
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.collectives import Collectives
 
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 
@@ -50,18 +51,19 @@ class Sync(Protocol):
 
 
 class GradientSync:
-    """All-reduce (sum, then multiply by ``scale``) the gradients of ``params`` over ``group``."""
+    """All-reduce (sum, then multiply by ``scale``) the gradients of ``params`` over ``group``;
+    ``collectives`` bounds each wait by the pipeline's timeout and names a lost peer."""
 
     def __init__(
         self,
         params: Sequence[nn.Parameter],
         group: dist.ProcessGroup,
         scale: float,
-        timeout: float,
+        collectives: Collectives,
         bucket_bytes: int = BUCKET_BYTES,
         overlap: bool = True,
     ):
-        self.group, self.scale, self.timeout = group, scale, timeout
+        self.group, self.scale, self.collectives = group, scale, collectives
         self.overlap = overlap  # False: reduce everything in finish(), after the backward
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes
@@ -141,13 +143,8 @@ class GradientSync:
             if k not in self._launched:
                 self._launch(k)
         for work, flat in self._launched.values():
-            try:
-                work.wait(timeout=timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                raise PeerError(
-                    f"gradient all-reduce failed ({error}); a rank holding another copy of "
-                    "these parameters failed or died"
-                ) from error
+            self.collectives.wait(work, "the gradient all-reduce over the ranks holding "
+                                  "copies of these weights", self.group)
             if self.scale != 1.0:
                 flat.mul_(self.scale)
         self._armed = False

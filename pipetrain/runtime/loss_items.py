@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import PeerError
 from pipetrain.runtime.microbatch import Batch
 from pipetrain.runtime.stage import Stage
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.collectives import Collectives
 
 IGNORE = -100  # the targets left out of the count
 
@@ -57,13 +58,14 @@ def count(loss_fn: Callable[..., Any], target: Batch) -> torch.Tensor:
 
 class LossItems:
     """Hands the last stage's ``loss_fn`` each step's items per micro-batch (module docstring).
-    ``group``: the last stage's replicas (None: one replica); ``micro_batches``: those the
-    pipeline averages over per update."""
+    ``group``: the last stage's replicas (None: one replica), ``collectives`` what bounds the
+    wait on them (given with a group); ``micro_batches``: those the pipeline averages over per
+    update."""
 
     def __init__(self, last: Stage, micro_batches: int, group: dist.ProcessGroup | None,
-                 timeout: float):
+                 collectives: Collectives | None):
         self.last, self.micro_batches = last, micro_batches
-        self.group, self.timeout = group, timeout
+        self.group, self.collectives = group, collectives
         self.replicas = 1 if group is None else dist.get_world_size(group)
 
     def count(self, target: Batch | None) -> None:
@@ -73,13 +75,8 @@ class LossItems:
             raise ValueError("the last stage's train_step needs the targets (got None)")
         items = count(self.last.loss_fn, target).to(torch.float64)  # type: ignore[arg-type]
         if self.group is not None:
+            assert self.collectives is not None, "given with the group"
             work = dist.all_reduce(items, group=self.group, async_op=True)
-            assert work is not None
-            try:
-                work.wait(timeout=timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                raise PeerError(
-                    f"the replicas' count of items (num_items_in_batch) failed ({error}); a "
-                    "replica of the last stage failed or died"
-                ) from error
+            self.collectives.wait(work, "the replicas' count of items (num_items_in_batch)",
+                                  self.group)
         self.last.num_items = (items / (self.micro_batches * self.replicas)).float()

@@ -247,7 +247,8 @@ class Pipeline:
         self._runner = Runner(world, self.stages, self.chunks, self.timeout, recorders)
         last = [stage for stage in self.stages if stage.is_last]
         self._items = (  # the mini-batch's count for a loss that takes num_items_in_batch
-            LossItems(last[0], config.loss_divisor, world.replica_group(), config.timeout)
+            LossItems(last[0], config.loss_divisor, world.replica_group(),
+                      world.replica_collectives())
             if last and takes_items(config.loss_fn) and not config.update_per_microbatch
             else None
         )
@@ -333,7 +334,9 @@ class Pipeline:
         """
         self.config.check_trainable()
         if self._unchecked_batch:  # every rank gathers before any can refuse its own batch
-            summaries = self.world.gather_objects(batch_agreement.summarize(x, y))
+            summaries = self.world.gather_objects(
+                batch_agreement.summarize(x, y), "the first step's check of the batch"
+            )
             batch_agreement.check(summaries, self.world.placement.ranks[0])
             self._unchecked_batch = False
         microbatch.check_batches(x, y)

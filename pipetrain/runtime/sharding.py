@@ -51,14 +51,23 @@ gradient off from two or more sharded layers before it (returns a fresh tensor i
 computed from its input): those replicas reduce-scatter those layers at the backward's end, the
 others as the backward leaves them, so in another order (gloo aborts on the mismatch, NCCL may
 wait out its timeout). Such a model trains at zero=1, or at zero 2 and 3 under zb-h1 or zb-h2.
+
+Timeouts. torch runs the collectives of ZeroRedundancyOptimizer (zero 1: its broadcasts in
+``step``) and of FSDP2 (zero 2 and 3: its all-gathers and reduce-scatters, in the forward, the
+backward and :meth:`ShardedGradients._reduce`) itself, and waits for them with no timeout of
+the call's: each is bounded only by its process group's, so they run in the replica group of
+placement.py, created with the pipeline's timeout (not the caller's, init_distributed's 600 s
+by default). A stopped replica makes them raise torch's own error within that timeout (and
+the rank stops its peers, executor.py), without naming the replica; the presence all-reduce
+of ``finish``, ours, names it (collectives.py), as the gradient all-reduce of zero 0 and 1
+does.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
-from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,7 +79,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree
 
 from pipetrain.checkpoints.checkpointing import WholeState
-from pipetrain.errors import PeerError
 from pipetrain.runtime import readback
 from pipetrain.runtime.fsdp_parts import (
     all_states,
@@ -82,6 +90,9 @@ from pipetrain.runtime.fsdp_parts import (
 from pipetrain.runtime.stage import OptimizerFactory, Stage
 from pipetrain.runtime.stage_module import alias
 from schedules import Schedule
+
+if TYPE_CHECKING:
+    from pipetrain.runtime.collectives import Collectives
 
 LEVELS = (0, 1, 2, 3)
 
@@ -159,8 +170,9 @@ class ShardedGradients:
         self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
         bring_up: Callable[[int], object] | None = None,
         whole: Collection[nn.Parameter] = (),
+        *,
+        collectives: Collectives,
         split_backward: bool = False,
-        timeout: float = 300.0,
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
         self.split_backward = split_backward
@@ -194,7 +206,7 @@ class ShardedGradients:
         # are no path of attributes)
         self._owners = {id(p): (owner, leaf) for _, owner in module.named_modules()
                         for leaf, p in owner._parameters.items() if p is not None and sharded(p)}
-        self.group, self.device, self.timeout = group, device, timeout
+        self.group, self.device, self.collectives = group, device, collectives
         reduce_unused_weights(module)  # the same reduce-scatters on every replica
         self._weights: list[Any] = list({  # FSDP2's FSDPParam of each sharded weight, once
             id(weight): weight for part in module.modules() if isinstance(part, FSDPModule)
@@ -271,14 +283,8 @@ class ShardedGradients:
         for i in missed:
             presence[i].zero_()
         work = dist.all_reduce(presence, group=self.group, async_op=True)
-        assert work is not None
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise PeerError(
-                f"the replicas' gradient presence all-reduce failed ({error}); a replica of "
-                "this stage failed or died"
-            ) from error
+        self.collectives.wait(work, "the replicas' all-reduce of which weights have "
+                              "gradients", self.group)
         if not missed:
             return
         counts = readback.wait_for(presence[missed])

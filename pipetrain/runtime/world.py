@@ -16,22 +16,22 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.errors import CommunicationTimeout, PeerError
+from pipetrain.errors import PeerError
 from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
+from pipetrain.runtime.collectives import Collectives, rank_names
 from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync
 from pipetrain.runtime.distributed import local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
 from pipetrain.runtime.tags import CLOCK_TAG
-from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport, is_timeout
+from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
 from schedules import Schedule, lookup
 
 T = TypeVar("T")
@@ -117,6 +117,11 @@ class World(ABC):
         over it (sharding.py)."""
         return None
 
+    def replica_collectives(self) -> Collectives | None:
+        """What bounds and names the waits of the collectives over ``replica_group()``
+        (collectives.py); None where there is no such group."""
+        return None
+
     @abstractmethod
     def run(
         self, executors: list[Executor], inputs: Sequence[object] | None,
@@ -152,8 +157,9 @@ class World(ABC):
         """Each rank's bubble and peak memory, for the progress line (on every rank)."""
 
     @abstractmethod
-    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
-        """Every process's ``value`` (picklable), on every rank: one per process of the
+    def gather_objects(self, value: Any, what: str, every_replica: bool = False) -> list[Any]:
+        """Every process's ``value`` (picklable; ``what``: the check it serves, for errors),
+        on every rank: one per process of the
         pipeline in pipeline rank order (``every_replica``: of every replica, in the order of
         their global ranks, the first rank's first); ``[value]`` where every rank runs here."""
 
@@ -254,7 +260,7 @@ class ThreadWorld(World):
     ) -> tuple[list[float], list[float], dict[str, float]]:
         return bubbles, memory, peaks
 
-    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
+    def gather_objects(self, value: Any, what: str, every_replica: bool = False) -> list[Any]:
         return [value]
 
     def stop_peers(self, reason: str) -> bool:
@@ -302,48 +308,11 @@ class ProcessWorld(World):
             self.groups.pipeline, self.groups.global_ranks, self._device, others
         )
         self.transports = [self._transport]
-        self._names = self._rank_names(schedule, dist.get_process_group_ranks(user))
-
-    def _rank_names(self, schedule: Schedule, members: Sequence[int]) -> dict[int, str]:
-        """How errors name each global rank of ``members`` (replica-major, placement.py):
-        "stage S (rank R)", its replica added where there are several."""
-        names = {}
-        for index, global_rank in enumerate(members):
-            replica, rank = divmod(index, schedule.ranks)
-            stages = schedule.stages_on(rank)
-            named = f"stage {stages[0]}" if len(stages) == 1 else (
-                f"stages {', '.join(map(str, stages))}")
-            of = f" of replica {replica}" if self.placement.replicas > 1 else ""
-            names[global_rank] = f"{named}{of} (rank {global_rank})"
-        return names
-
-    def _collective_failed(
-        self, error: RuntimeError, what: str, groups: Sequence[dist.ProcessGroup]
-    ) -> NoReturn:
-        """Raise a backend ``error`` of collective ``what`` in ``groups`` as a PeerError that
-        names the peer: the stage that stopped, as it published; the peers this rank lost the
-        connection to (probed: a collective's error does not say which); on a timeout, the
-        peers it waited for."""
-        me = dist.get_rank()
-        peers = sorted({r for g in groups for r in dist.get_process_group_ranks(g)} - {me})
-        where = f"{self._names[me]}: {what}"
-        if is_timeout(error):
-            raise CommunicationTimeout(
-                f"{where} with {self._named(peers)} did not complete within "
-                f"timeout={self.timeout:g} s. The peer is slow, hung or its schedule differs; "
-                f"raise Pipeline(timeout=...) if it is only slow. ({error})"
-            ) from error
-        reason = self._transport.stop_reason()
-        if reason:
-            raise PeerError(f"{where} failed: {reason}") from error
-        lost = [r for g in groups for r in self._transport.lost(g)]
-        raise PeerError(
-            f"{where} lost the connection to {self._named(lost or peers)}; its process "
-            f"probably died ({error})"
-        ) from error
-
-    def _named(self, ranks: Sequence[int]) -> str:
-        return ", ".join(self._names[r] for r in sorted(set(ranks)))
+        self.collectives = Collectives(
+            self._transport, rank_names(schedule, dist.get_process_group_ranks(user),
+                                         self.placement.replicas),
+            self.timeout,
+        )
 
     def device(self, rank: int) -> torch.device:
         return self._device
@@ -352,10 +321,13 @@ class ProcessWorld(World):
         return schedule.stages_on(self.rank)[0]
 
     def agree(self, settings: Callable[[], dict[str, Any]]) -> None:
-        check_same(settings(), self.groups.pipeline, self.groups.global_ranks)
+        check_same(settings(), self.groups.pipeline, self.groups.global_ranks, self.collectives)
 
     def replica_group(self) -> dist.ProcessGroup | None:
         return self.groups.replicas
+
+    def replica_collectives(self) -> Collectives | None:
+        return self.collectives if self.groups.replicas is not None else None
 
     def gradient_syncs(
         self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
@@ -374,17 +346,19 @@ class ProcessWorld(World):
             if not shared:
                 continue
             if rank_set in joint:
-                sync = JointSync(GradientSync(shared, group, scale, self.timeout, overlap=False),
+                sync = JointSync(GradientSync(shared, group, scale, self.collectives,
+                                              overlap=False),
                                  len(users))
                 for s in users:
                     syncs[s].append(sync)
             else:
-                syncs[users[0]].append(GradientSync(shared, group, scale, self.timeout))
+                syncs[users[0]].append(GradientSync(shared, group, scale, self.collectives))
         ranks_of = {id(p): ranks for p, ranks in ties}
         for s, params in owned.items():
             rest = [p for p in params if len(ranks_of.get(id(p), ())) < 2]
             if self.groups.replicas is not None and rest:
-                syncs[s].append(GradientSync(rest, self.groups.replicas, scale, self.timeout))
+                syncs[s].append(GradientSync(rest, self.groups.replicas, scale,
+                                               self.collectives))
         return syncs
 
     def run(
@@ -401,12 +375,8 @@ class ProcessWorld(World):
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         work = dist.all_reduce(value, group=self.groups.every, async_op=True)
-        assert work is not None
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            self._collective_failed(error, "the step's agreement (an all-reduce over every "
-                                    "rank)", [self.groups.every])
+        self.collectives.wait(work, "the step's agreement (an all-reduce over every rank)",
+                              self.groups.every)
         return value
 
     def share_loss(self, loss: torch.Tensor) -> SentLoss:
@@ -414,26 +384,20 @@ class ProcessWorld(World):
         return loss, dist.broadcast(loss, last, group=self.groups.pipeline, async_op=True)
 
     def received_loss(self, sent: SentLoss) -> torch.Tensor:
-        """Raises PeerError (this rank's links broken) when the loss does not arrive."""
+        """Raises PeerError (every peer stopped) when the loss does not arrive."""
         value, work = sent
-        assert work is not None
-        groups = [g for g in (self.groups.pipeline, self.groups.replicas) if g is not None]
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-            if self.groups.replicas is not None:  # the mean over every replica's batch
-                dist.all_reduce(value, group=self.groups.replicas)
-                value /= self.placement.replicas
-        except RuntimeError as error:
-            try:
-                self._collective_failed(error, "the loss's broadcast from the last stage",
-                                        groups)
-            except PeerError as failure:
-                self._transport.abort(f"rank {self.rank} stopped: {failure}")
-                raise
+        self.collectives.wait(work, "the loss's broadcast from the last stage",
+                              self.groups.pipeline)
+        if self.groups.replicas is not None:  # the mean over every replica's batch
+            work = dist.all_reduce(value, group=self.groups.replicas, async_op=True)
+            self.collectives.wait(work, "the loss's all-reduce over the replicas",
+                                  self.groups.replicas)
+            value /= self.placement.replicas
         return value
 
     def barrier(self) -> None:
-        dist.barrier(group=self.groups.pipeline)
+        work = dist.barrier(group=self.groups.pipeline, async_op=True)
+        self.collectives.wait(work, "a barrier of the pipeline's ranks", self.groups.pipeline)
 
     def stop_peers(self, reason: str) -> bool:
         self._transport.abort(reason)
@@ -444,23 +408,30 @@ class ProcessWorld(World):
     ) -> tuple[list[float], list[float], dict[str, float]]:
         mine = torch.tensor([bubbles[0], memory[0]], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in self.groups.global_ranks]
-        dist.all_gather(every, mine, group=self.groups.pipeline)
+        work = dist.all_gather(every, mine, group=self.groups.pipeline, async_op=True)
+        self.collectives.wait(work, "the progress line's gather of each rank's bubble and "
+                              "memory", self.groups.pipeline)
         bubbles, memory = [float(t[0]) for t in every], [float(t[1]) for t in every]
         ranks = self.groups.global_ranks
         return bubbles, memory, {f"rank{r}": m for r, m in zip(ranks, memory, strict=True)}
 
-    def gather_objects(self, value: Any, every_replica: bool = False) -> list[Any]:
-        group = self.group if every_replica else self.groups.pipeline
+    def gather_objects(self, value: Any, what: str, every_replica: bool = False) -> list[Any]:
+        """In a group of the pipeline's timeout (every: the caller's group's ranks, in its
+        order)."""
+        group = self.groups.every if every_replica else self.groups.pipeline
         every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, value, group=group)
+        self.collectives.call(what, [group],
+                              lambda: dist.all_gather_object(every, value, group=group))
         return every
 
     def recorders(
         self, schedule: Schedule, at_exit: Callable[[], object]
     ) -> list[Recorder | None]:
         """One recorder, its clock offset from the first rank's measured now."""
-        offset, latency = measure_clock_offset(
-            self.groups.pipeline, self.groups.global_ranks, CLOCK_TAG
+        pipeline = self.groups.pipeline
+        offset, latency = self.collectives.call(
+            "the trace's clock measurement", [pipeline],
+            lambda: measure_clock_offset(pipeline, self.groups.global_ranks, CLOCK_TAG),
         )
         recorder = Recorder(dist.get_rank(), self.rank, schedule, offset, latency)
         atexit.register(at_exit)

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import pipetrain
-from benchmarks.fault_runs import passed, run_case
+from benchmarks.fault_runs import passed, run_case, run_job
 from pipetrain.errors import CommunicationTimeout, PipelineError, StageError
 from tests.runtime.harness import run_ranks
 from tests.runtime.models import batches, mlp, sgd
@@ -160,6 +160,50 @@ def test_a_peer_lost_in_a_collective_is_named_and_the_rank_exits(case, kind, pee
     assert passed(run, 3), run
     assert kind in run.error and peer in run.error, run.error
     assert "the step's agreement" in run.error, run.error
+
+
+START_UP_CHECKS = {"settings": "the start-up check of the settings",
+                   "batch": "the first step's check of the batch"}
+
+
+@pytest.mark.parametrize("place", list(START_UP_CHECKS))
+@pytest.mark.parametrize(("case", "kind", "peer"), SCRIPT_CASES)
+def test_a_peer_lost_in_a_start_up_check_is_named_and_the_rank_exits(case, kind, peer, place):
+    """The peer hit as it enters the settings check (building the pipeline) or the first
+    step's batch check, gathers of every rank's view: the other process exits non-zero within
+    timeout + 10 s (timeout=3), naming the peer and the check. Before: torch's own error
+    ("Timed out waiting 3000ms", "Connection closed by peer"), naming no one."""
+    (run,) = run_job(case, timeout=3, at=place).values()
+    assert passed(run, 3), run
+    assert kind in run.error and peer in run.error, run.error
+    assert START_UP_CHECKS[place] in run.error, run.error
+
+
+def _assert_every_survivor_named(runs: dict, kinds: tuple[str, ...], peer: str) -> None:
+    for rank, run in runs.items():
+        assert passed(run, 3), (rank, run)
+        assert peer in run.error and any(k in run.error for k in kinds), (rank, run.error)
+
+
+@pytest.mark.slow  # 4 processes: about 30 s on 2 busy cores
+def test_a_replica_killed_in_the_gradient_all_reduce_is_named_by_every_rank():
+    """2 stages x 2 replicas, stage 1 of replica 0 (rank 1) SIGKILLed as it enters the
+    gradient all-reduce: the 3 other processes exit non-zero within timeout + 10 s, each
+    naming it (its replica peer lost it in the all-reduce; the others read that reason).
+    Before: "gradient all-reduce failed (Connection closed by peer ...)", naming no one."""
+    runs = run_job("killed rank", timeout=3, at="gradients", replicas=2)
+    _assert_every_survivor_named(runs, ("PeerError",), "stage 1 of replica 0 (rank 1)")
+    assert "the gradient all-reduce" in runs[3].error, runs[3].error
+
+
+@pytest.mark.slow
+def test_a_replica_stopped_in_the_gradient_all_reduce_is_named_by_every_rank():
+    """The same with stage 0 of replica 0 (rank 0, the store's host) SIGSTOPped: every other
+    process times out naming it, or reads a peer's reason that does, and exits."""
+    runs = run_job("stopped store host", timeout=3, at="gradients", replicas=2)
+    _assert_every_survivor_named(runs, ("CommunicationTimeout", "PeerError"),
+                                 "stage 0 of replica 0 (rank 0)")
+    assert "CommunicationTimeout" in runs[2].error, runs[2].error
 
 
 def test_stage_error_is_still_the_root_class():

@@ -4,9 +4,16 @@ it finishes one; nothing is caught, so a failure ends the process as it ends a u
 Launched one process per rank with torchrun's environment set; the launcher stops or kills a
 rank mid-training and times how long the other takes to exit.
 
-``--hit-at-agree RANK SIGNAL``: rank RANK sends itself SIGNAL (STOP, KILL) as it enters the
-step's agreement (an all-reduce over every rank) of step WARMUP, printing "hit TIME" (wall
-clock) first: the fault then lands in a collective, not in a receive."""
+``--replicas N``: N replicas of the pipeline (2 x N processes, global rank ``2 k + s`` running
+stage s of replica k).
+
+``--hit RANK SIGNAL PLACE``: global rank RANK sends itself SIGNAL (STOP, KILL) as it enters
+PLACE, printing "hit TIME" (wall clock) first, so that the fault lands in that wait of its
+peers: ``agree``, the step's agreement (an all-reduce over every rank) of step WARMUP;
+``gradients``, the gradient all-reduce over the replicas of step WARMUP (replicas > 1: as it
+launches it);
+``batch``, the first step's check of the batch (a gather); ``settings``, the start-up check of
+the settings (a gather, while the pipeline is built)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,38 +31,47 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root
 
 import pipetrain  # noqa: E402
+from pipetrain.runtime.data_parallel import GradientSync  # noqa: E402
 from pipetrain.runtime.world import ProcessWorld  # noqa: E402
 from tests.runtime.models import batches, mlp, sgd  # noqa: E402
 
-WARMUP = 3  # steps before a fault at the agreement
+WARMUP = 3  # steps before a fault in a step's agreement or gradient all-reduce
+PLACES = {  # where a rank hits itself: the method entered, on which call
+    "agree": (ProcessWorld, "sum_over_ranks", WARMUP + 1),
+    "gradients": (GradientSync, "_launch", WARMUP + 1),  # before its all-reduce starts
+    "batch": (ProcessWorld, "gather_objects", 1),
+    "settings": (ProcessWorld, "agree", 1),
+}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--timeout", type=float, default=3.0)
 parser.add_argument("--steps", type=int, default=100_000)
-parser.add_argument("--hit-at-agree", nargs=2, metavar=("RANK", "SIGNAL"))
+parser.add_argument("--replicas", type=int, default=1)
+parser.add_argument("--hit", nargs=3, metavar=("RANK", "SIGNAL", "PLACE"))
 args = parser.parse_args()
 
 
-def hit_at_agree(rank: int, signal_name: str) -> None:
-    """Make rank ``rank`` send itself SIG``signal_name`` in the agreement of step WARMUP."""
-    sum_over_ranks, calls = ProcessWorld.sum_over_ranks, [0]
+def hit(rank: int, signal_name: str, place: str) -> None:
+    """Make global rank ``rank`` send itself SIG``signal_name`` as it enters ``place``."""
+    owner, name, call = PLACES[place]
+    method, calls = getattr(owner, name), [0]
 
-    def hit(world: ProcessWorld, value: torch.Tensor) -> torch.Tensor:
+    def hitting(*method_args: Any, **options: Any) -> Any:
         calls[0] += 1
-        if calls[0] == WARMUP + 1 and world.rank == rank:
+        if calls[0] == call and int(os.environ["RANK"]) == rank:
             print(f"hit {time.time()}", flush=True)
             os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
-        return sum_over_ranks(world, value)
+        return method(*method_args, **options)
 
-    ProcessWorld.sum_over_ranks = hit  # type: ignore[method-assign]
+    setattr(owner, name, hitting)
 
 
 torch.set_num_threads(1)
 pipetrain.init_distributed()  # the process group keeps its default timeout (600 s)
-if args.hit_at_agree:
-    hit_at_agree(int(args.hit_at_agree[0]), args.hit_at_agree[1])
+if args.hit:
+    hit(int(args.hit[0]), args.hit[1], args.hit[2])
 pipe = pipetrain.Pipeline(mlp(), [6, 6], chunks=4, loss_fn=nn.functional.cross_entropy,
-                          optimizer=sgd, timeout=args.timeout)
+                          optimizer=sgd, timeout=args.timeout, replicas=args.replicas)
 data = batches(4)
 for step in range(args.steps):
     pipe.train_step(*data[step % len(data)])
