@@ -87,6 +87,15 @@ def check_chunks(chunks_per_rank: int) -> None:
         )
 
 
+def check_v(name: str, chunks_per_rank: int) -> None:
+    """A V schedule's check: the model folds into a V, two stages on every rank."""
+    if chunks_per_rank != 2:
+        raise ValueError(
+            f"{name} folds the model into a V: two stages per rank, got chunks_per_rank="
+            f"{chunks_per_rank}; give len(balance) = 2 x ranks"
+        )
+
+
 def with_step_tail(schedule: Schedule) -> Schedule:
     """``schedule`` with every synchronous list closed by its whole step (:func:`step_tail`):
     an older hand-written list that ends with its STEPs alone gets its REDUCEs and AGREE

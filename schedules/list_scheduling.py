@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedules.action import Action, Kind, Schedule, check_chunks, check_sizes
+from schedules.action import Action, Kind, Schedule, check_chunks, check_sizes, check_v
 from schedules.generators import from_order
+from schedules.messages import inputs
 
 _URGENCY = {Kind.BACKWARD: 0, Kind.FORWARD: 1, Kind.WEIGHT: 2}
 
@@ -27,17 +28,6 @@ _URGENCY = {Kind.BACKWARD: 0, Kind.FORWARD: 1, Kind.WEIGHT: 2}
 def v_placement(ranks: int) -> tuple[int, ...]:
     """Stage s's rank in a V over ``ranks`` ranks: s going down, 2p-1-s coming back up."""
     return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks))
-
-
-def _inputs(action: Action, stages: int) -> list[Action]:
-    """The computations ``action`` waits for."""
-    s, i = action.stage, action.microbatch
-    if action.kind is Kind.FORWARD:
-        return [Action(Kind.FORWARD, s - 1, i)] if s > 0 else []
-    if action.kind is Kind.BACKWARD:
-        later = [Action(Kind.BACKWARD, s + 1, i)] if s < stages - 1 else []
-        return [Action(Kind.FORWARD, s, i), *later]
-    return [Action(Kind.BACKWARD, s, i)]
 
 
 def _list_schedule(placement: tuple[int, ...], microbatches: int, limit: int) -> list[list[Action]]:
@@ -56,7 +46,7 @@ def _list_schedule(placement: tuple[int, ...], microbatches: int, limit: int) ->
     while any(any(q) for q in queues):
         chosen = []
         for r in range(ranks):
-            ready = [q for q in queues[r] if q and all(d in done for d in _inputs(q[0], stages))
+            ready = [q for q in queues[r] if q and all(d in done for d in inputs(q[0], stages))
                      and (q[0].kind is not Kind.FORWARD or held[r] < limit)]
             if ready:
                 chosen.append(min(ready, key=lambda q: _rank_key(q[0])).popleft())
@@ -88,11 +78,7 @@ def zbv(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
     least any schedule can take, 6m + p - 1 times f, for m >= p and p <= 4 (within 2 f of it
     up to p = 6), at 1F1B's activation memory (tests/schedules/test_schedule_list_scheduling.py)."""
     check_sizes(ranks, microbatches)
-    if chunks_per_rank != 2:
-        raise ValueError(
-            f"zbv folds the model into a V: two stages per rank, got chunks_per_rank="
-            f"{chunks_per_rank}; give len(balance) = 2 x ranks"
-        )
+    check_v("zbv", chunks_per_rank)
     return list_scheduled("zbv", v_placement(ranks), microbatches)
 
 

@@ -26,8 +26,9 @@ from schedules.action import Action, Kind, step_tail
 F, B = Kind.FORWARD, Kind.BACKWARD
 
 
-def _inputs(a: Action, stages: int) -> list[Action]:
-    """The computes whose results ``a`` consumes (on any rank)."""
+def inputs(a: Action, stages: int) -> list[Action]:
+    """The computes whose results ``a`` consumes (on any rank): the previous stage's F for an F,
+    the same stage's F and the next stage's B for a B, the same stage's B for a W."""
     s, i = a.stage, a.microbatch
     if a.kind is F:
         return [Action(F, s - 1, i)] if s > 0 else []
@@ -63,7 +64,7 @@ def with_messages(
     while remaining:
         ready = []
         for r, ops in compute.items():
-            if cursor[r] < len(ops) and all(x in finished for x in _inputs(ops[cursor[r]], stages)):
+            if cursor[r] < len(ops) and all(x in finished for x in inputs(ops[cursor[r]], stages)):
                 ready.append(ops[cursor[r]])
         if not ready:
             heads = [ops[cursor[r]] for r, ops in compute.items() if cursor[r] < len(ops)]
@@ -71,7 +72,7 @@ def with_messages(
             raise ValueError(f"compute orders can never finish; stuck at {stuck}")
         for a in ready:  # one round: results become usable in the next round
             rank = placement[a.stage]
-            for source in _inputs(a, stages):
+            for source in inputs(a, stages):
                 if placement[source.stage] != rank:
                     send, recv = _message(source, a)
                     lists[placement[source.stage]].append(send)
