@@ -36,6 +36,7 @@ from schedules.registry import (
 )
 from schedules.simulate import Simulation, simulate, steady_state
 from schedules.timeline import Span, bubble_fraction
+from schedules.v_shape import v_half, v_min
 from schedules.validate import validate
 
 __all__ = [
@@ -73,6 +74,8 @@ __all__ = [
     "to_csv",
     "unregister",
     "unroll",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "with_early_weights",

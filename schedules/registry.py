@@ -23,6 +23,7 @@ from schedules.generators import (
     zero_bubble_h2,
 )
 from schedules.list_scheduling import interleaved_zb, zbv
+from schedules.v_shape import v_half, v_min
 from schedules.validate import validate
 
 DEFAULT_SCHEDULE = "1f1b"
@@ -110,6 +111,15 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             "zbv", zbv, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
+        ),
+        # the V with controllable memory: about 1/2 and 1/3 of zbv's activations per rank
+        # (schedules/v_shape.py); a stage's own peak has no closed form, so it is counted
+        *(
+            ScheduleSpec(
+                name, generator, multi_stage_per_rank=True, split_backward=True,
+                stages_per_rank=2,
+            )
+            for name, generator in (("v-half", v_half), ("v-min", v_min))
         ),
         ScheduleSpec(
             "pipedream", pipedream, asynchronous=True, update_per_microbatch=True,
