@@ -1,8 +1,9 @@
-"""Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and ZB-V
-(stages 0 and 3 on rank 0, 1 and 2 on rank 1) in two gloo processes train like plain
-single-process training: 1e-5 on
-every parameter and loss, as tests/property explains, with weights tied across the ranks,
-recomputation, AdamW, clipping and micro-batch counts that are no multiple of the ranks."""
+"""Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and the V
+schedules, ZB-V, V-Half and V-Min (stages 0 and 3 on rank 0, 1 and 2 on rank 1), in two gloo
+processes train like plain single-process training: 1e-5 on every parameter and loss, as
+tests/property explains, with weights tied across the ranks, recomputation, AdamW, clipping
+and micro-batch counts that are no multiple of the ranks. The V schedules also on three ranks
+as threads, where V-Half and V-Min hold fewer micro-batches than ZB-V."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from tests.property.model_space import CLIP, Case, ModelSpec, largest_difference, train_reference
-from tests.property.test_equivalence import TOLERANCE, train_in_processes
+from tests.property.test_equivalence import TOLERANCE, check_threads, train_in_processes
 
 SHAPES = {
     "tied": Case(ModelSpec((), ("embedding", "affine", "affine", "head")), (1, 1, 1, 1), "",
@@ -25,7 +26,8 @@ SIX = Case(ModelSpec((4,), ("linear",) * 6), (1,) * 6, "", 2, 6, ("except_last",
            CLIP, 1)  # three stages per rank, which ZB-V's V (two per rank) does not take
 CASES = {
     f"{schedule}-{name}": replace(case, schedule=schedule)
-    for schedule in ("looped-bfs", "interleaved-zb", "zbv") for name, case in SHAPES.items()
+    for schedule in ("looped-bfs", "interleaved-zb", "zbv", "v-half", "v-min")
+    for name, case in SHAPES.items()
 } | {f"{schedule}-six-stages": replace(SIX, schedule=schedule)
      for schedule in ("looped-bfs", "interleaved-zb")}
 
@@ -42,3 +44,12 @@ def test_trains_like_one_process(per_case, name):
     assert all("error" not in r for r in results), [r.get("error") for r in results]
     worst, where = largest_difference(results, train_reference(CASES[name]))
     assert worst <= TOLERANCE, f"{where} differs from plain training by {worst:.3g}"
+
+
+THREE_RANKS = Case(ModelSpec((4,), ("linear", "relu_") * 3), (1,) * 6, "", 3, 6,
+                   ("never",) * 5 + ("except_last",), "adamw", CLIP, 2)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "v-half", "v-min"])
+def test_three_ranks_in_threads_train_like_one_process(schedule):
+    check_threads(replace(THREE_RANKS, schedule=schedule))
