@@ -32,6 +32,7 @@ from schedules.registry import (
     lookup,
     names,
     register,
+    spec_of,
     unregister,
 )
 from schedules.simulate import Simulation, simulate, steady_state
@@ -69,6 +70,7 @@ __all__ = [
     "pipedream_2bw",
     "register",
     "simulate",
+    "spec_of",
     "steady_state",
     "step_tail",
     "to_csv",

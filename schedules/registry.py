@@ -114,12 +114,11 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ),
         # the V with controllable memory: about 1/2 and 1/3 of zbv's activations per rank
         # (schedules/v_shape.py); a stage's own peak has no closed form, so it is counted
-        *(
-            ScheduleSpec(
-                name, generator, multi_stage_per_rank=True, split_backward=True,
-                stages_per_rank=2,
-            )
-            for name, generator in (("v-half", v_half), ("v-min", v_min))
+        ScheduleSpec(
+            "v-half", v_half, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
+        ),
+        ScheduleSpec(
+            "v-min", v_min, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
         ),
         ScheduleSpec(
             "pipedream", pipedream, asynchronous=True, update_per_microbatch=True,
@@ -223,12 +222,38 @@ def _chunks(name: str, stages: int, microbatches: int, ranks: int | None) -> tup
 def inflight(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations it holds at once under
     ``schedule`` (a forward stores one, the backward frees it, or the W when the backward is
-    split): the entry's rule where it states one, else counted along the lists (an
-    asynchronous schedule's over enough calls to reach its steady state)."""
-    rule = lookup(schedule.name).inflight
-    if rule is None:
+    split): the entry's rule where it states one and built these lists, else (lists of
+    one's own too) counted along the lists (an asynchronous schedule's over
+    enough calls to reach its steady state)."""
+    entry = _REGISTRY.get(schedule.name)
+    if entry is None or entry.inflight is None or not _builds(entry, schedule):
         return counted_inflight(schedule)
-    return tuple(rule(s, schedule.stages, schedule.microbatches) for s in range(schedule.stages))
+    stages, microbatches = schedule.stages, schedule.microbatches
+    return tuple(entry.inflight(s, stages, microbatches) for s in range(stages))
+
+
+def spec_of(schedule: Schedule) -> ScheduleSpec:
+    """The entry ``schedule`` runs under: its name's, where the registry builds these very
+    lists under that name; else one that states what the lists show (a CSV's, say: no
+    recomputation by default, the activations in flight counted along the lists)."""
+    entry = _REGISTRY.get(schedule.name)
+    if entry is not None and _builds(entry, schedule):
+        return entry
+    return ScheduleSpec(
+        name=schedule.name, generator=lambda *_: schedule,
+        multi_stage_per_rank=not schedule.one_stage_per_rank,
+        split_backward=schedule.splits_backward, asynchronous=schedule.asynchronous,
+        update_per_microbatch=schedule.asynchronous and schedule.update_every == 1,
+    )
+
+
+def _builds(entry: ScheduleSpec, schedule: Schedule) -> bool:
+    """Whether ``entry`` builds exactly ``schedule`` at its size."""
+    try:
+        built = build(entry.name, schedule.stages, schedule.microbatches, ranks=schedule.ranks)
+    except ValueError:  # a size or placement the entry does not build
+        return False
+    return built == schedule
 
 
 def fewer_in_flight(name: str, stages: int, microbatches: int) -> str | None:

@@ -104,6 +104,7 @@ def assemble(
     world.place(schedule, [stages for _, stages in ties])
     world.agree(lambda: fingerprint(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
+        lists=config.lists_digest,
         recompute=config.recompute, replicas=world.placement.replicas, zero=config.zero,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         check_batches=config.check_batches, **source.settings(),

@@ -10,6 +10,7 @@ dtype, not the options to derive them from.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pipetrain.runtime.planning import load_plan
 from pipetrain.runtime.stage import LossFn, OptimizerFactory, SchedulerFactory
 from pipetrain.training.compensation import AUTO, DelayCompensation
 from pipetrain.training.precision import autocast_dtype
-from schedules import DEFAULT_SCHEDULE, lookup, names
+from schedules import DEFAULT_SCHEDULE, Schedule, ScheduleSpec, lookup, names, spec_of, to_csv
 from schedules.registry import recompute_below
 
 
@@ -56,7 +57,7 @@ class PipelineConfig:
     balance: tuple[int, ...]
     # the options (pipetrain/runtime/options.py), in its order, as resolved
     chunks: int
-    schedule: str
+    schedule: str  # the name (given lists: theirs, as ``lists`` holds them)
     recompute: str | tuple[str, ...]  # one mode for every stage, or one per stage
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None
@@ -82,6 +83,7 @@ class PipelineConfig:
     loss_scaling: bool  # fp16's dynamic loss scale (pipetrain/training/precision.py)
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None  # the plan's micro-batch size: its times are for it
+    lists: Schedule | None  # the lists given as schedule=, unless the registry builds them
 
     def stage_recompute(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
@@ -99,14 +101,27 @@ class PipelineConfig:
         return 1 if self.update_per_microbatch else self.chunks
 
     @property
+    def spec(self) -> ScheduleSpec:
+        """What the rest of pipetrain knows of the schedule: its registry entry, or what
+        given lists state (schedules.spec_of)."""
+        return lookup(self.schedule) if self.lists is None else spec_of(self.lists)
+
+    @property
+    def lists_digest(self) -> str | None:
+        """Given lists as every rank must hold them alike (their CSV's digest), else None."""
+        if self.lists is None:
+            return None
+        return hashlib.sha256(to_csv(self.lists, communication=True).encode()).hexdigest()[:16]
+
+    @property
     def update_per_microbatch(self) -> bool:
         """Whether every micro-batch is an update of its own (PipeDream)."""
-        return lookup(self.schedule).update_per_microbatch
+        return self.spec.update_per_microbatch
 
     @property
     def asynchronous(self) -> bool:
         """Whether the schedule never flushes between steps (PipeDream's family)."""
-        return lookup(self.schedule).asynchronous
+        return self.spec.asynchronous
 
     def check_trainable(self) -> None:
         """Refuse to train without an optimizer (the weights would never change, silently) or
@@ -122,15 +137,22 @@ class PipelineConfig:
                 "pipeline can only evaluate (eval_step)"
             )
 
-    def check_planned_ranks(self, ranks: int, placed: bool) -> None:
-        """Refuse to run a plan's virtual stages on other than its number of ranks, once the
-        devices or processes are ``placed`` (known)."""
+    def check_ranks(self, ranks: int, placed: bool) -> None:
+        """Refuse to run a plan's virtual stages, or given lists, on other than their number
+        of ranks, once the devices or processes are ``placed`` (known)."""
         planned = self.planned_ranks
-        if lookup(self.schedule).multi_stage_per_rank and planned not in (None, ranks) and placed:
+        if self.spec.multi_stage_per_rank and planned not in (None, ranks) and placed:
             raise ValueError(
                 f"the plan runs its {len(self.balance)} {self.schedule} stages on {planned} "
                 f"ranks but this pipeline has {ranks}; pass {planned} devices (or run "
                 f"{planned} processes per replica)"
+            )
+        if self.lists is not None and self.lists.ranks != ranks and placed:
+            raise ValueError(
+                f"the schedule's lists place their {self.lists.stages} stages on "
+                f"{self.lists.ranks} ranks ({self.lists.placement_text()}) but this pipeline "
+                f"has {ranks}; pass {self.lists.ranks} devices (or run {self.lists.ranks} "
+                f"processes per replica), or lists for {ranks} ranks"
             )
 
     @classmethod
@@ -148,9 +170,12 @@ class PipelineConfig:
             balance = _from_plan(plan, balance, values)
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
+        values["lists"] = None
+        if isinstance(values["schedule"], Schedule):
+            _take_lists(values["schedule"], values, len(balance))
         values["chunks"] = values["chunks"] or 1
         schedule = values["schedule"] = values["schedule"] or DEFAULT_SCHEDULE
-        spec = lookup(schedule)
+        spec = lookup(schedule) if values["lists"] is None else spec_of(values["lists"])
         if not spec.runnable:
             raise ValueError(
                 f"schedule {schedule!r} can be validated and simulated (schedules.build) but "
@@ -192,6 +217,41 @@ def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]
     if values["schedule"] == plan.schedule:
         values["planned_ranks"] = plan.pipeline_ranks
     return plan.balance
+
+
+def _take_lists(lists: Schedule, values: dict[str, Any], stages: int) -> None:
+    """``lists``, given as schedule=, checked against the stages and micro-batches and put in
+    ``values``: as their name where the registry builds them under it, else as lists
+    (``lists``, their name in ``schedule``) and their micro-batch count where chunks is
+    left out."""
+    if lists.stages != stages:
+        raise ValueError(
+            f"the schedule's lists run {lists.stages} stages but balance has {stages} entries; "
+            f"pass a balance of {lists.stages} entries (one per stage) or lists for {stages} "
+            "stages"
+        )
+    if values["chunks"] not in (None, lists.microbatches):
+        raise ValueError(
+            f"the schedule's lists run {lists.microbatches} micro-batches per mini-batch but "
+            f"chunks={values['chunks']}; pass chunks={lists.microbatches} or leave chunks out "
+            f"(it defaults to the lists'), or lists for {values['chunks']} micro-batches"
+        )
+    values["chunks"], values["schedule"] = lists.microbatches, lists.name
+    registered = lists.name in names()
+    if registered and spec_of(lists) is lookup(lists.name):
+        return  # the registry's own lists: run as that name
+    if registered:
+        raise ValueError(
+            f"the schedule's lists are named {lists.name!r} but are not what the registry "
+            f"builds under that name at this size; name them otherwise, e.g. "
+            "schedules.from_csv(text, name='mine')"
+        )
+    if lists.asynchronous:
+        raise ValueError(
+            f"asynchronous lists run only under their registered name, one of "
+            f"{names(asynchronous=True)}; {lists.name!r} is none of them"
+        )
+    values["lists"] = lists
 
 
 def _check_asynchronous_options(values: Mapping[str, Any], asynchronous: bool) -> None:

@@ -34,7 +34,8 @@ from pipetrain.runtime.stage_slice import LossFn
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.lazy import InitFn
 from pipetrain.training.precision import autocast_dtype
-from schedules.registry import RECOMPUTE_MODES
+from schedules.action import Schedule
+from schedules.registry import RECOMPUTE_MODES, names
 
 NONFINITE = ("skip", "raise")
 PARTS = ("config", "world", "layers")  # PipelineConfig, make_world, LayerSource
@@ -63,6 +64,17 @@ def _chunks(chunks: object) -> object:
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     return chunks
+
+
+def _schedule(schedule: object) -> object:
+    """Refuse a ``schedule`` that is neither a name nor lists (its name is checked with the
+    other options, in config.py)."""
+    if schedule is not None and not isinstance(schedule, str | Schedule):
+        raise ValueError(
+            f"schedule must be a registered name, one of {names()}, or a schedules.Schedule "
+            f"(schedules.from_csv(text), say), got {type(schedule).__name__}"
+        )
+    return schedule
 
 
 def _recompute(recompute: object) -> object:
@@ -172,7 +184,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("plan", "str | os.PathLike[str] | Plan | None", None,
            "a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``)", SPLIT),
     Option("chunks", "int | None", None, "micro-batches per mini-batch", SPLIT, _chunks),
-    Option("schedule", "str | None", None, "the schedule's name in schedules/registry.py", SPLIT),
+    Option("schedule", "str | Schedule | None", None,
+           "the schedule's name in schedules/registry.py, or its lists (a ``schedules.Schedule``)",
+           SPLIT, _schedule),
     Option("recompute", "str | Sequence[str] | None", None, "activation recomputation", SPLIT,
            _recompute),
     Option("loss_fn", "LossFn | None", None,
@@ -243,7 +257,7 @@ class PipelineOptions(TypedDict, total=False):
 
     plan: str | os.PathLike[str] | Plan | None
     chunks: int | None
-    schedule: str | None
+    schedule: str | Schedule | None
     recompute: str | Sequence[str] | None
     loss_fn: LossFn | None
     optimizer: OptimizerFactory | None

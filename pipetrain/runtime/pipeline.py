@@ -81,12 +81,17 @@ class Pipeline:
             micro-batches differ from the plan's profiled size warns once.
         chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
             a multiple of it.
-        schedule: the schedule's name in schedules/registry.py (default its
-            ``DEFAULT_SCHEDULE``, or the plan's): "gpipe", "1f1b", "interleaved" or
-            "looped-bfs" (several stages per rank; pass as many devices or processes as
-            ranks), "zb-h1", "zb-h2" (zero bubble, split backward), "zbv" (zero bubble in a
-            V, two stages per rank), or the asynchronous "pipedream" and "pipedream-2bw",
-            which never flush between steps (see ``weight_stashing``).
+        schedule: the schedule's name in schedules/registry.py, or its lists (a
+            ``schedules.Schedule``). A name (default the registry's ``DEFAULT_SCHEDULE``, or
+            the plan's): "gpipe", "1f1b", "interleaved" or "looped-bfs" (several stages per
+            rank; pass as many devices or processes as ranks), "zb-h1", "zb-h2" (zero bubble,
+            split backward), "zbv" (zero bubble in a V, two stages per rank), "v-half" and
+            "v-min" (the V holding about 1/2 and 1/3 of zbv's activations), or the
+            asynchronous "pipedream" and "pipedream-2bw", which never flush between steps
+            (see ``weight_stashing``). Lists (``schedules.from_csv(text)``, or a generator's)
+            must have one stage per entry of ``balance``, place them on as many ranks as there
+            are devices or processes, and run ``chunks`` micro-batches (default: theirs);
+            lists that the registry builds under their name run as that name.
         recompute: activation recomputation, "never", "except_last" or "always" (torchgpipe's
             modes), one for every stage or a list of one per stage (as a plan made under a
             memory cap may choose). Default: the plan's, else the schedule's entry
@@ -202,9 +207,11 @@ class Pipeline:
             config.timeout, config.recompute, config.precision
         )
         self.world = make_world(**checked("world", options), timeout=config.timeout)
-        ranks = self.world.pipeline_ranks(config.schedule, len(self.balance))
-        config.check_planned_ranks(ranks, placed=self.world.placed)
-        self.schedule = build(config.schedule, len(self.balance), config.chunks, ranks=ranks)
+        ranks = self.world.pipeline_ranks(config.spec, len(self.balance))
+        config.check_ranks(ranks, placed=self.world.placed)
+        self.schedule = config.lists or build(
+            config.schedule, len(self.balance), config.chunks, ranks=ranks
+        )
         validate(self.schedule)
         self._evaluation = forward_only(self.schedule)
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py

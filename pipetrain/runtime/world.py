@@ -32,7 +32,7 @@ from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
 from pipetrain.runtime.tags import CLOCK_TAG
 from pipetrain.runtime.transport import DistributedTransport, LocalHub, Transport
-from schedules import Schedule, lookup
+from schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
 SentLoss = tuple[torch.Tensor, "dist.Work | None"]  # a loss on its way to every rank
@@ -40,12 +40,12 @@ RankTies = Sequence[tuple[nn.Parameter, tuple[int, ...]]]  # a shared weight, th
 
 
 def pipeline_ranks(
-    schedule: str, stages: int, devices: Sequence[str | torch.device] | None,
+    schedule: ScheduleSpec, stages: int, devices: Sequence[str | torch.device] | None,
     group: dist.ProcessGroup | None, replicas: int | None,
 ) -> int:
     """How many ranks run the pipeline: one per stage, except for schedules that put several
     stages on a rank, where the devices (or the processes of one replica) count them."""
-    if not lookup(schedule).multi_stage_per_rank:
+    if not schedule.multi_stage_per_rank:
         if devices is not None and len(devices) != stages:
             raise ValueError(
                 f"devices lists {len(devices)} devices for {stages} stages; give one "
@@ -61,7 +61,7 @@ def pipeline_ranks(
     if stages % ranks or stages < ranks:
         chunks = max(stages // ranks, 2)
         raise ValueError(
-            f"{schedule} with {ranks} ranks x {chunks} chunks needs balance with "
+            f"{schedule.name} with {ranks} ranks x {chunks} chunks needs balance with "
             f"{ranks * chunks} entries (a multiple of {ranks}, one per stage), got {stages}"
         )
     return ranks
@@ -79,8 +79,9 @@ class World(ABC):
         self.timeout = timeout  # seconds any wait on another rank may take
 
     @abstractmethod
-    def pipeline_ranks(self, schedule: str, stages: int) -> int:
-        """How many ranks run ``stages`` stages under ``schedule`` (see :func:`pipeline_ranks`)."""
+    def pipeline_ranks(self, schedule: ScheduleSpec, stages: int) -> int:
+        """How many ranks run ``stages`` stages under the schedule of entry ``schedule`` (see
+        :func:`pipeline_ranks`)."""
 
     @property
     @abstractmethod
@@ -189,7 +190,7 @@ class ThreadWorld(World):
         self.devices = list(devices)
         self._pool: ThreadPoolExecutor | None = None
 
-    def pipeline_ranks(self, schedule: str, stages: int) -> int:
+    def pipeline_ranks(self, schedule: ScheduleSpec, stages: int) -> int:
         return pipeline_ranks(schedule, stages, self.devices, None, None)
 
     @property
@@ -285,7 +286,7 @@ class ProcessWorld(World):
         super().__init__(timeout)
         self.group, self.replicas = group, replicas  # the group: every rank of every replica
 
-    def pipeline_ranks(self, schedule: str, stages: int) -> int:
+    def pipeline_ranks(self, schedule: ScheduleSpec, stages: int) -> int:
         return pipeline_ranks(schedule, stages, None, self.group, self.replicas)
 
     @property

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from partitioner.costs import inflight as planned_inflight
-from schedules import GENERATORS, build, inflight, lookup, names, register
-from schedules.registry import check_spec, counted_inflight, fewer_in_flight
+from schedules import GENERATORS, build, from_csv, inflight, lookup, names, register, to_csv
+from schedules.registry import check_spec, counted_inflight, fewer_in_flight, spec_of
 
 
 @pytest.mark.parametrize("name", names())
@@ -98,3 +98,21 @@ def test_the_schedule_holding_fewer_micro_batches_is_found_in_the_registry(
     name, stages, microbatches, lighter
 ):
     assert fewer_in_flight(name, stages, microbatches) == lighter
+
+
+def test_lists_run_under_their_names_entry_only_where_it_builds_them():
+    """What Pipeline(schedule=lists) reads: the registry's own lists get their entry; others
+    (a CSV read back, lists built for another name) an entry stating what the lists show."""
+    built = build("zbv", 6, 4, ranks=3)
+    assert spec_of(built) is lookup("zbv")
+    assert spec_of(build("pipedream", 3, 2)) is lookup("pipedream")
+    read = from_csv(to_csv(built), name="mine")
+    spec = spec_of(read)
+    assert (spec.name, spec.multi_stage_per_rank, spec.split_backward, spec.asynchronous) == (
+        "mine", True, True, False
+    )
+    assert spec.checkpoint == "never" and spec.inflight is None
+    assert inflight(read) == counted_inflight(built)
+    renamed = from_csv(to_csv(build("zb-h1", 3, 4)), name="1f1b")  # not what 1f1b builds
+    assert spec_of(renamed) is not lookup("1f1b") and spec_of(renamed).split_backward
+    assert inflight(renamed) == counted_inflight(renamed) != inflight(build("1f1b", 3, 4))
