@@ -11,8 +11,10 @@ from schedules.asynchronous import (
     unroll,
 )
 from schedules.csv_lists import from_csv, to_csv
+from schedules.dualpipe import dualpipev
 from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
+from schedules.overlap import overlapped
 from schedules.generators import (
     from_order,
     gpipe,
@@ -51,6 +53,7 @@ __all__ = [
     "bubble_fraction",
     "build",
     "drain",
+    "dualpipev",
     "for_call",
     "from_csv",
     "from_order",
@@ -63,6 +66,7 @@ __all__ = [
     "measure_lag",
     "names",
     "one_f_one_b",
+    "overlapped",
     "peak_versions",
     "pipedream",
     "pipedream_2bw",

@@ -1,5 +1,5 @@
-"""Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and ZB-V
-(stages 0 and 3 on rank 0, 1 and 2 on rank 1) in two gloo processes train like plain
+"""Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1), ZB-V and
+DualPipeV (stages 0 and 3 on rank 0, 1 and 2 on rank 1) in two gloo processes train like plain
 single-process training: 1e-5 on
 every parameter and loss, as tests/property explains, with weights tied across the ranks,
 recomputation, AdamW, clipping and micro-batch counts that are no multiple of the ranks."""
@@ -27,7 +27,12 @@ CASES = {
     f"{schedule}-{name}": replace(case, schedule=schedule)
     for schedule in ("looped-bfs", "interleaved-zb", "zbv") for name, case in SHAPES.items()
 } | {f"{schedule}-six-stages": replace(SIX, schedule=schedule)
-     for schedule in ("looped-bfs", "interleaved-zb")}
+     for schedule in ("looped-bfs", "interleaved-zb")} | {
+    # DualPipeV takes at least as many micro-batches as stages
+    f"dualpipev-{name}": replace(case, schedule="dualpipev", chunks=chunks)
+    for name, case, chunks in (("tied", SHAPES["tied"], 4), ("mlp", SHAPES["mlp"], 4),
+                               ("six-micro-batches", SHAPES["tied"], 6))
+}
 
 
 @pytest.fixture(scope="module")
