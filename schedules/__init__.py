@@ -14,7 +14,6 @@ from schedules.csv_lists import from_csv, to_csv
 from schedules.dualpipe import dualpipev
 from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
-from schedules.overlap import overlapped
 from schedules.generators import (
     from_order,
     gpipe,
@@ -25,6 +24,7 @@ from schedules.generators import (
     zero_bubble_h2,
 )
 from schedules.list_scheduling import interleaved_zb, v_placement, zbv
+from schedules.overlap import overlapped
 from schedules.registry import (
     DEFAULT_SCHEDULE,
     GENERATORS,

@@ -111,7 +111,8 @@ def dualpipev(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedu
     if microbatches < 2 * ranks:
         raise ValueError(
             f"dualpipev needs at least as many micro-batches as stages ({2 * ranks} on "
-            f"{ranks} ranks), got {microbatches}: raise chunks, or use zbv"
+            f"{ranks} ranks), got {microbatches}: raise the micro-batch count "
+            "(Pipeline(chunks=...)), or use zbv"
         )
     orders = [_rank_order(r, ranks, microbatches) for r in range(ranks)]
     schedule = from_order(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from schedules.action import COMPUTE, Action, Kind, Schedule
+from schedules.action import Action, Kind, Schedule
 
 
 def overlapped(schedule: Schedule, pairs: Iterable[tuple[Action, Action]]) -> Schedule:

@@ -7,9 +7,9 @@ B(s+1) before B(s)), and each rank ends with its step: the REDUCE of each of its
 AGREE and the STEP of each stage (or, in older hand-written lists, the STEPs alone). A schedule
 that does not split every backward may list one early W per stage, its last backward's.
 Messages exist only between stages on different ranks. Each overlapped pair is a forward and
-a backward of two stages of one rank, next to each other in its compute order. Deadlock-free: executing all ranks
-with sends that block until their receive is posted (rendezvous) finishes; since the
-runtime's sends never block, it cannot hang where this model does not.
+a backward of two stages of one rank, next to each other in its compute order. Deadlock-free:
+executing all ranks with sends that block until their receive is posted (rendezvous)
+finishes; since the runtime's sends never block, it cannot hang where this model does not.
 
 Messages name ranks as "stage N" when every rank runs one stage (the common case) and as
 "rank N" otherwise.

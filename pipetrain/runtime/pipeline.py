@@ -85,8 +85,10 @@ class Pipeline:
             ``DEFAULT_SCHEDULE``, or the plan's): "gpipe", "1f1b", "interleaved" or
             "looped-bfs" (several stages per rank; pass as many devices or processes as
             ranks), "zb-h1", "zb-h2" (zero bubble, split backward), "zbv" (zero bubble in a
-            V, two stages per rank), or the asynchronous "pipedream" and "pipedream-2bw",
-            which never flush between steps (see ``weight_stashing``).
+            V, two stages per rank), "dualpipev" (the same V, forwards and backwards in
+            overlapped pairs; at least as many micro-batches as stages), or the asynchronous
+            "pipedream" and "pipedream-2bw", which never flush between steps (see
+            ``weight_stashing``).
         recompute: activation recomputation, "never", "except_last" or "always" (torchgpipe's
             modes), one for every stage or a list of one per stage (as a plan made under a
             memory cap may choose). Default: the plan's, else the schedule's entry
