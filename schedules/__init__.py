@@ -11,6 +11,7 @@ from schedules.asynchronous import (
     unroll,
 )
 from schedules.csv_lists import from_csv, to_csv
+from schedules.dualpipe import dualpipev
 from schedules.early import with_early_weights
 from schedules.errors import ScheduleError
 from schedules.generators import (
@@ -23,6 +24,7 @@ from schedules.generators import (
     zero_bubble_h2,
 )
 from schedules.list_scheduling import interleaved_zb, v_placement, zbv
+from schedules.overlap import overlapped
 from schedules.registry import (
     DEFAULT_SCHEDULE,
     GENERATORS,
@@ -53,6 +55,7 @@ __all__ = [
     "bubble_fraction",
     "build",
     "drain",
+    "dualpipev",
     "for_call",
     "from_csv",
     "from_order",
@@ -65,6 +68,7 @@ __all__ = [
     "measure_lag",
     "names",
     "one_f_one_b",
+    "overlapped",
     "peak_versions",
     "pipedream",
     "pipedream_2bw",

@@ -28,6 +28,12 @@ REDUCE(s) for each of its stages (the gradients summed across replicas and stage
 weight), one AGREE (every rank's agreement on the step: non-finite check, clip norm), then
 STEP(s) for each of its stages (the optimizer update, or none where AGREE decided to skip).
 Older hand-written lists end with the STEPs alone, which still validate and run.
+
+Overlapped pairs. A schedule may name pairs of one rank's compute, a forward of one stage and
+a backward of another, that form one unit of work (DualPipe's F/B overlap, torch's
+OVERLAP_F_B): listed next to each other, the receives either half needs before the pair and
+its sends after it, so a runtime may run the two halves at once (``schedules/overlap.py``).
+Run in order they are two ordinary actions.
 """
 
 from __future__ import annotations
@@ -168,6 +174,9 @@ class Schedule:
     every ``update_every`` micro-batches (1 for PipeDream, ``microbatches`` for 2BW).
     ``lag[s]`` is the number of stage s's updates between the weights a micro-batch's forward
     reads and the update its gradient is applied in (steady state).
+
+    ``overlaps`` holds the (forward, backward) pairs that form one unit of work (see the module
+    docstring); empty in most schedules.
     """
 
     name: str
@@ -177,6 +186,7 @@ class Schedule:
     placement: tuple[int, ...] = field(default=())
     lag: tuple[int, ...] = field(default=())  # asynchronous only: per stage, in updates
     update_every: int = 0  # asynchronous only: micro-batches per optimizer update
+    overlaps: frozenset[tuple[Action, Action]] = field(default=frozenset())  # (F, B) pairs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lag", tuple(self.lag))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from schedules.action import Kind, Schedule
 from schedules.asynchronous import pipedream, pipedream_2bw, unroll
+from schedules.dualpipe import dualpipev
 from schedules.generators import (
     gpipe,
     interleaved,
@@ -58,7 +59,9 @@ class ScheduleSpec:
     stage holds at once (DeepSpeed's ``num_pipe_buffers``); None counts it along the generated
     lists. ``runnable`` is False for a schedule that can be validated and simulated but that the
     runtime does not execute. ``stages_per_rank`` fixes how many stages a multi-stage schedule
-    puts on each rank (2 for a V), None where any count runs.
+    puts on each rank (2 for a V), None where any count runs. ``microbatches_per_stage``: the
+    generator takes no fewer micro-batches than this many per stage (see
+    :meth:`least_microbatches`).
     """
 
     name: str
@@ -71,6 +74,12 @@ class ScheduleSpec:
     inflight: InflightRule | None = None
     runnable: bool = True
     stages_per_rank: int | None = None
+    microbatches_per_stage: int = 0
+
+    def least_microbatches(self, stages: int) -> int:
+        """The fewest micro-batches the schedule runs over ``stages`` stages (DualPipeV: one
+        per stage)."""
+        return max(1, self.microbatches_per_stage * stages)
 
 
 def _gpipe_inflight(stage: int, stages: int, microbatches: int) -> int:
@@ -119,6 +128,10 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             "v-min", v_min, multi_stage_per_rank=True, split_backward=True, stages_per_rank=2
+        ),
+        ScheduleSpec(
+            "dualpipev", dualpipev, multi_stage_per_rank=True, split_backward=True,
+            stages_per_rank=2, microbatches_per_stage=1,
         ),
         ScheduleSpec(
             "pipedream", pipedream, asynchronous=True, update_per_microbatch=True,

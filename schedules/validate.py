@@ -6,9 +6,10 @@ after it computes, hands tensors to a stage on its own rank in order (F(s) befor
 B(s+1) before B(s)), and each rank ends with its step: the REDUCE of each of its stages, its
 AGREE and the STEP of each stage (or, in older hand-written lists, the STEPs alone). A schedule
 that does not split every backward may list one early W per stage, its last backward's.
-Messages exist only between stages on different ranks. Deadlock-free: executing all ranks
-with sends that block until their receive is posted (rendezvous) finishes; since the
-runtime's sends never block, it cannot hang where this model does not.
+Messages exist only between stages on different ranks. Each overlapped pair is a forward and
+a backward of two stages of one rank, next to each other in its compute order. Deadlock-free:
+executing all ranks with sends that block until their receive is posted (rendezvous)
+finishes; since the runtime's sends never block, it cannot hang where this model does not.
 
 Messages name ranks as "stage N" when every rank runs one stage (the common case) and as
 "rank N" otherwise.
@@ -22,6 +23,7 @@ from typing import NoReturn
 from schedules.action import RECVS, SENDS, STEP_KINDS, Action, Kind, Schedule, step_tail
 from schedules.asynchronous import measure_lag, unroll
 from schedules.errors import ScheduleError
+from schedules.overlap import refusal
 
 
 def _who(schedule: Schedule, rank: int) -> str:
@@ -167,6 +169,9 @@ def check_complete(schedule: Schedule) -> None:
         expected = set().union(*(_expected(schedule, s, weight) for s in own))
         expected |= {a for a in early or () if a.stage in own}
         check_rank(schedule, r, schedule.actions[r], expected, closing_steps=True)
+    for forward, backward in sorted(schedule.overlaps, key=str):
+        if reason := refusal(schedule, forward, backward):
+            raise ScheduleError(reason)
 
 
 def check_deadlock_free(schedule: Schedule) -> None:

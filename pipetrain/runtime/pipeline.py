@@ -86,12 +86,13 @@ class Pipeline:
             the plan's): "gpipe", "1f1b", "interleaved" or "looped-bfs" (several stages per
             rank; pass as many devices or processes as ranks), "zb-h1", "zb-h2" (zero bubble,
             split backward), "zbv" (zero bubble in a V, two stages per rank), "v-half" and
-            "v-min" (the V holding about 1/2 and 1/3 of zbv's activations), or the
-            asynchronous "pipedream" and "pipedream-2bw", which never flush between steps
-            (see ``weight_stashing``). Lists (``schedules.from_csv(text)``, or a generator's)
-            must have one stage per entry of ``balance``, place them on as many ranks as there
-            are devices or processes, and run ``chunks`` micro-batches (default: theirs);
-            lists that the registry builds under their name run as that name.
+            "v-min" (the V holding about 1/2 and 1/3 of zbv's activations), "dualpipev" (the
+            same V, forwards and backwards in overlapped pairs; at least as many micro-batches
+            as stages), or the asynchronous "pipedream" and "pipedream-2bw", which never flush
+            between steps (see ``weight_stashing``). Lists (``schedules.from_csv(text)``, or a
+            generator's) must have one stage per entry of ``balance``, place them on as many
+            ranks as there are devices or processes, and run ``chunks`` micro-batches (default:
+            theirs); lists that the registry builds under their name run as that name.
         recompute: activation recomputation, "never", "except_last" or "always" (torchgpipe's
             modes), one for every stage or a list of one per stage (as a plan made under a
             memory cap may choose). Default: the plan's, else the schedule's entry

@@ -385,6 +385,7 @@ def draw_case(choose: Chooser, ranks: int | None = None, most_layers: int = 8,
         most = max(min(most_stages, layers) // placed, 1)
         stages = placed * (fixed or choose.integer(min(2 if placed == 1 else 1, most), most))
         chunks = placed * choose.integer(1, 4 // placed)
+        chunks = max(chunks, lookup(schedule).least_microbatches(stages))  # DualPipeV: m >= 2p
     else:
         stages = ranks if ranks is not None else choose.integer(1, min(most_stages, layers))
         placed = stages

@@ -61,7 +61,7 @@ def _in_torch(rank: int, world: int, name: str, folder: str) -> dict[str, torch.
     reason="torch <= 2.10's _PipelineScheduleRuntime is not the one held to this: 2.9's dies "
     "in its shape inference (a gloo size mismatch), 2.10's loses a rank on the V of zbv",
 )
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "interleaved", "zbv",
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "interleaved", "zbv", "dualpipev",
                                   "interleaved-zb", "looped-bfs"])
 def test_torch_runs_the_exported_list_like_one_process(name):
     model = _model()

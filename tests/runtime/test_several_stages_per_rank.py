@@ -1,7 +1,7 @@
 """Looped BFS and interleaved ZB (stages 0 and 2 on rank 0, 1 and 3 on rank 1) and the V
-schedules, ZB-V, V-Half and V-Min (stages 0 and 3 on rank 0, 1 and 2 on rank 1), in two gloo
-processes train like plain single-process training: 1e-5 on every parameter and loss, as
-tests/property explains, with weights tied across the ranks, recomputation, AdamW, clipping
+schedules, ZB-V, V-Half, V-Min and DualPipeV (stages 0 and 3 on rank 0, 1 and 2 on rank 1), in
+two gloo processes train like plain single-process training: 1e-5 on every parameter and loss,
+as tests/property explains, with weights tied across the ranks, recomputation, AdamW, clipping
 and micro-batch counts that are no multiple of the ranks. The V schedules also on three ranks
 as threads, where V-Half and V-Min hold fewer micro-batches than ZB-V."""
 
@@ -29,7 +29,12 @@ CASES = {
     for schedule in ("looped-bfs", "interleaved-zb", "zbv", "v-half", "v-min")
     for name, case in SHAPES.items()
 } | {f"{schedule}-six-stages": replace(SIX, schedule=schedule)
-     for schedule in ("looped-bfs", "interleaved-zb")}
+     for schedule in ("looped-bfs", "interleaved-zb")} | {
+    # DualPipeV takes at least as many micro-batches as stages
+    f"dualpipev-{name}": replace(case, schedule="dualpipev", chunks=chunks)
+    for name, case, chunks in (("tied", SHAPES["tied"], 4), ("mlp", SHAPES["mlp"], 4),
+                               ("six-micro-batches", SHAPES["tied"], 6))
+}
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ def test_generators_is_a_view_of_the_registry():
     assert sorted(GENERATORS) == names()
     assert names(asynchronous=True) == ["pipedream", "pipedream-2bw"]
     assert names(multi_stage_per_rank=True, runnable=True) == [
-        "interleaved", "interleaved-zb", "looped-bfs", "v-half", "v-min", "zbv"
+        "dualpipev", "interleaved", "interleaved-zb", "looped-bfs", "v-half", "v-min", "zbv"
     ]
     assert all(GENERATORS[n] is lookup(n).generator for n in names())
     with pytest.raises(ValueError, match=r"unknown schedule 'zb-v'; choose one of \['1f1b'"):
