@@ -61,6 +61,8 @@ class StageOptions:
     ``track_memory`` counts the bytes the stage saves for backward (``stage.ledger``).
     ``weight_leaves`` gives what W differentiates for the stage's weights (ZeRO 2 and 3: the
     gathered parameters FSDP2 swapped in, sharding.py); None: the weights themselves.
+    ``compile`` runs each layer through torch.compile (compiled.py), and then no backward is
+    split: B makes the weight gradients too.
     """
 
     recompute_below: int = 0
