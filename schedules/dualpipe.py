@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedules.action import Action, Kind, Schedule, check_sizes
+from schedules.action import Action, Kind, Schedule, check_sizes, check_v
 from schedules.generators import from_order
 from schedules.list_scheduling import v_placement
 from schedules.overlap import overlapped
@@ -103,11 +103,7 @@ def _rank_order(rank: int, ranks: int, microbatches: int) -> _RankOrder:
 def dualpipev(ranks: int, microbatches: int, chunks_per_rank: int = 2) -> Schedule:
     """DualPipeV over ``ranks`` ranks (2p stages in a V) and ``microbatches`` >= 2p."""
     check_sizes(ranks, microbatches)
-    if chunks_per_rank != 2:
-        raise ValueError(
-            f"dualpipev folds the model into a V: two stages per rank, got chunks_per_rank="
-            f"{chunks_per_rank}; give len(balance) = 2 x ranks"
-        )
+    check_v("dualpipev", chunks_per_rank)
     if microbatches < 2 * ranks:
         raise ValueError(
             f"dualpipev needs at least as many micro-batches as stages ({2 * ranks} on "

@@ -15,6 +15,7 @@ from torch import nn
 
 from pipetrain.observe.progress import logger
 from pipetrain.runtime.agreement import fingerprint
+from pipetrain.runtime.compiled import inductor_refusal
 from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
 from pipetrain.runtime.data_parallel import Sync, tied_parameters
@@ -107,7 +108,7 @@ def assemble(
         lists=config.lists_digest,
         recompute=config.recompute, replicas=world.placement.replicas, zero=config.zero,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
-        check_batches=config.check_batches, **source.settings(),
+        check_batches=config.check_batches, compile=config.compile, **source.settings(),
     ))
     if schedule.asynchronous and (ties or world.placement.replicas > 1):
         raise ValueError(_asynchronous_refusal(model, config.schedule, ties, world.placement))
@@ -196,8 +197,11 @@ def _build_stage(
         loss_divisor=config.loss_divisor, autocast_dtype=config.autocast_dtype, seed=seed,
         lr_scheduler=config.lr_scheduler, syncs=syncs, owned_elsewhere=owned_elsewhere,
         weight_versions=versions, track_memory=config.track_memory,
-        weight_leaves=weight_leaves,
+        weight_leaves=weight_leaves, compile=config.stage_compile(index),
     )
+    reason = inductor_refusal(device) if options.compile else None
+    if reason is not None:
+        raise ValueError(f"stage {index}: {reason}")
     stage = Stage(
         module, index, len(parts), offset, device, config.optimizer, config.loss_fn,
         options=options,

@@ -14,7 +14,7 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ from pipetrain.training.compensation import AUTO, DelayCompensation
 from pipetrain.training.precision import autocast_dtype
 from schedules import DEFAULT_SCHEDULE, Schedule, ScheduleSpec, lookup, names, spec_of, to_csv
 from schedules.registry import recompute_below
+
+T = TypeVar("T")
 
 
 def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -74,6 +76,7 @@ class PipelineConfig:
     checkpoint_every: int
     deferred_batch_norm: bool
     cuda_graphs: bool | str  # False, True or "auto" (pipetrain/runtime/cuda_graphs.py)
+    compile: bool | tuple[bool, ...]  # torch.compile each layer: every stage, or per stage
     check_batches: bool  # the ranks compare their first step's batches
     track_memory: bool
     trace: str | os.PathLike[str] | None
@@ -87,7 +90,11 @@ class PipelineConfig:
 
     def stage_recompute(self, stage: int) -> str:
         """The recomputation mode of ``stage``."""
-        return self.recompute if isinstance(self.recompute, str) else self.recompute[stage]
+        return _of_stage(self.recompute, stage)
+
+    def stage_compile(self, stage: int) -> bool:
+        """Whether ``stage``'s layers run through torch.compile (pipetrain/runtime/compiled.py)."""
+        return _of_stage(self.compile, stage)
 
     def recompute_below(self, stage: int) -> int:
         """Where ``stage``'s recomputation stops: its training micro-batches numbered below
@@ -184,25 +191,40 @@ class PipelineConfig:
         _check_asynchronous_options(values, spec.asynchronous)
         # a CUDA graph cannot recompute: with graphs wanted, keep activations unless told
         default = "never" if values["cuda_graphs"] else spec.checkpoint
-        values["recompute"] = _recompute_modes(values["recompute"] or default, len(balance))
+        values["recompute"] = _per_stage(
+            "recompute", values["recompute"] or default, len(balance), "modes", "string"
+        )
+        values["compile"] = _per_stage("compile", values["compile"], len(balance), "values", "bool")
+        if values["cuda_graphs"] and values["compile"] is not False:  # a tuple holds a True
+            raise ValueError(
+                "cuda_graphs captures each stage's eager forward and backward, and compile "
+                "replaces them with compiled code: pass one of cuda_graphs= and compile="
+            )
         _check_step_options(values, spec.asynchronous)
         dtype = values["autocast_dtype"] = autocast_dtype(values["precision"])
         values["loss_scaling"] = dtype is torch.float16
         return cls(balance=tuple(check_balance(model, balance)), **values)
 
 
-def _recompute_modes(recompute: str | Sequence[str], stages: int) -> str | tuple[str, ...]:
-    """``recompute`` (its modes checked by options.py): one mode, or one per stage (a tuple
-    unless they are all one)."""
-    if isinstance(recompute, str):
-        return recompute
-    modes = tuple(recompute)
-    if len(modes) != stages:
+def _per_stage(
+    name: str, value: str | bool | Sequence[Any], stages: int, what: str, one: str
+) -> Any:
+    """Option ``name``'s ``value`` (its members checked by options.py): one for every stage,
+    or one per stage (a tuple unless they are all one)."""
+    if isinstance(value, str | bool):
+        return value
+    members = tuple(value)
+    if len(members) != stages:
         raise ValueError(
-            f"recompute lists {len(modes)} modes for {stages} stages; give one per stage, "
-            "or one string for all"
+            f"{name} lists {len(members)} {what} for {stages} stages; give one per stage, "
+            f"or one {one} for all"
         )
-    return modes[0] if len(set(modes)) == 1 else modes
+    return members[0] if len(set(members)) == 1 else members
+
+
+def _of_stage(value: T | tuple[T, ...], stage: int) -> T:
+    """A per-stage option's value for ``stage`` (see :func:`_per_stage`)."""
+    return value[stage] if isinstance(value, tuple) else value
 
 
 def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]) -> list[int]:

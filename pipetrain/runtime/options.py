@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from partitioner import Plan
 from pipetrain.observe.progress import Progress, progress_option
+from pipetrain.runtime.compiled import compile_option
 from pipetrain.runtime.cuda_graphs import check_mode
 from pipetrain.runtime.sharding import check_level
 from pipetrain.runtime.stage_optimizer import OptimizerFactory, SchedulerFactory
@@ -238,6 +239,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cuda_graphs", "bool | str", False,
            "True captures each stage's training forward and backward as CUDA graphs", RUNNING,
            check_mode),
+    Option("compile", "bool | Sequence[bool]", False,
+           "True runs each layer of every stage through ``torch.compile``; or a list of one "
+           "bool per stage", RUNNING, compile_option),
     Option("check_batches", "bool", True,
            "on the first step, and the first after a resume, the ranks compare the batches "
            "they were given", RUNNING, bool),
@@ -280,6 +284,7 @@ class PipelineOptions(TypedDict, total=False):
     checkpoint_every: int
     deferred_batch_norm: bool
     cuda_graphs: bool | str
+    compile: bool | Sequence[bool]
     check_batches: bool
     track_memory: bool
     trace: str | os.PathLike[str] | None

@@ -164,6 +164,14 @@ class Pipeline:
             after the first step with each micro-batch shape and replays them from then on
             (pipetrain/runtime/cuda_graphs.py); what cannot be captured is refused with the reason,
             and "auto" runs it eagerly instead. Default False.
+        compile: True runs each layer of every stage through ``torch.compile``; or a list of one
+            bool per stage. Each layer (a transformer block) is compiled on its own, as
+            torchtitan compiles each block, and identical blocks share one compiled graph
+            (pipetrain/runtime/compiled.py). Inductor needs a C++ compiler on a CPU and triton
+            on a GPU; without one, construction is refused. Under the zero-bubble schedules a
+            compiled stage runs its whole backward in B (a compiled layer's backward makes its
+            input and weight gradients together) and its W finds nothing left to do. Default
+            False.
         check_batches: on the first step, and the first after a resume, the ranks compare
             the batches they were given (batch sizes, and a fingerprint of each ``x`` and
             ``y`` given to more than one rank; pipetrain/runtime/batch_agreement.py) and refuse

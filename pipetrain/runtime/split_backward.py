@@ -26,13 +26,18 @@ class SplitBackward:
     order: every backward when ``scheduled`` (a schedule with W), else only that of a
     micro-batch whose forward was cut whole. ``sharded``: the weights are FSDP2's DTensors;
     ``leaves`` gives what W differentiates for them (the gathered parameters FSDP2 swapped in
-    for the forward; by default the weights themselves)."""
+    for the forward; by default the weights themselves). ``whole``: no backward is split,
+    and every W finds its weight gradients made by B (compiled layers, compiled.py: a
+    compiled layer's backward makes its input and weight gradients in one call, so a B and a
+    W would each run all of it, and torch refuses the second run where the compiled backward
+    reuses its saved activations' memory, its donated buffers)."""
 
     def __init__(
         self, module: StageModule, weights: list[nn.Parameter], scheduled: bool, sharded: bool,
-        leaves: Leaves = list,
+        leaves: Leaves = list, whole: bool = False,
     ):
         self.scheduled, self._leaves = scheduled, leaves
+        self._every = scheduled and not whole  # every backward split
         self._weights = weights
         per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in module]
         distinct = len({id(p) for p in weights}) == sum(len(ps) for ps in per_layer)
@@ -44,7 +49,7 @@ class SplitBackward:
         # norms) need only their weight gradients there. Weights sharded by FSDP2 (ZeRO 2, 3:
         # sharding.py) are reduce-scattered as the armed last backward's B ends, before a cut
         # W (split-backward schedules reduce after their last W instead).
-        self.weights_at_top = distinct and not sharded and not any(
+        self.weights_at_top = distinct and not sharded and not whole and not any(
             p.requires_grad for layer in module for child in layer.children()
             for p in child.parameters()
         )
@@ -53,7 +58,7 @@ class SplitBackward:
     def cuts(self, cut: bool) -> Cuts | None:
         """The cuts a forward collects: under a schedule with W, or ``cut`` asked (and
         allowed: :attr:`weights_at_top`), where each weight is in one layer only."""
-        if (self.scheduled or cut) and self._layer_weights is not None:
+        if (self._every or cut) and self._layer_weights is not None:
             return Cuts(self._layer_weights)
         return None
 
@@ -61,7 +66,7 @@ class SplitBackward:
         """Whether the backward of a forward that collected ``cuts`` is split: outside a
         schedule with W only a whole cut splits, where W then costs no more than its share of
         one backward (an uncut W would backpropagate everything again)."""
-        return self.scheduled or (cuts is not None and cuts.whole)
+        return self._every or (cuts is not None and cuts.whole)
 
     def input_gradients(
         self,

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from pipetrain.errors import StageError
 from pipetrain.observe.memory import ActivationLedger
+from pipetrain.runtime.compiled import compiled_calls
 from pipetrain.runtime.cuda_graphs import StageGraphs
 from pipetrain.runtime.data_parallel import Sync
 from pipetrain.runtime.forward_policy import ForwardPolicy, Recompute, Replay
@@ -60,6 +61,8 @@ class StageOptions:
     ``track_memory`` counts the bytes the stage saves for backward (``stage.ledger``).
     ``weight_leaves`` gives what W differentiates for the stage's weights (ZeRO 2 and 3: the
     gathered parameters FSDP2 swapped in, sharding.py); None: the weights themselves.
+    ``compile`` runs each layer through torch.compile (compiled.py), and then no backward is
+    split: B makes the weight gradients too.
     """
 
     recompute_below: int = 0
@@ -73,6 +76,7 @@ class StageOptions:
     weight_versions: VersionsFactory | None = None
     track_memory: bool = False
     weight_leaves: Leaves | None = None
+    compile: bool = False
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Stage:
         self._slice = StageSlice(
             module, index, count, offset, device, loss_fn, o.autocast_dtype, o.loss_divisor
         )
+        if o.compile:
+            self.module.calls = compiled_calls(list(self.module))
         self.rng = StageRng(draw_seeds(1)[0] if o.seed is None else o.seed, device)
         owned = [p for p in self.module.parameters()
                  if p.requires_grad and id(p) not in o.owned_elsewhere]
@@ -124,7 +130,8 @@ class Stage:
         sharded = any(isinstance(p, DTensor) for p in weights)
         self._slice.autocast_cache = not sharded
         self._split = SplitBackward(
-            self.module, weights, o.split_backward, sharded, o.weight_leaves or list
+            self.module, weights, o.split_backward, sharded, o.weight_leaves or list,
+            whole=o.compile,
         )
         self._policy: ForwardPolicy = (
             Recompute(o.recompute_below, self.rng) if o.recompute_below else ForwardPolicy()

@@ -152,7 +152,10 @@ class LayerRun:
 
 
 class StageModule(KeyedLayers):
-    """A stage's layers, called in order (see the module docstring)."""
+    """A stage's layers, called in order (see the module docstring); ``calls``, where set,
+    calls each position's layer instead (compile=True's compiled layers: compiled.py)."""
+
+    calls: Sequence[Callable[..., object]] = ()
 
     @classmethod
     def of(cls, module: nn.Sequential) -> StageModule:
@@ -164,7 +167,8 @@ class StageModule(KeyedLayers):
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""
-        for position, layer in enumerate(self):
+        layers: Iterable[Callable[..., object]] = self.calls or self
+        for position, layer in enumerate(layers):
             if run is not None:
                 run.position = position
             value = layer(value)

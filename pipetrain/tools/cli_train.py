@@ -49,6 +49,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     p.add_argument("--nproc", type=int, help="processes to start (default: the plan's ranks; a "
                    "multiple of them adds replicas)")
+    p.add_argument("--compile", action="store_true",
+                   help="run each layer of every stage through torch.compile "
+                   "(Pipeline(compile=True)): a C++ compiler on a CPU, triton on a GPU")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts after a failure (resuming from --checkpoint-dir)")
     p.set_defaults(run=cmd_train)
@@ -81,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     rank, world = init_distributed()
     task = _task(args.task, factory, kwargs, plan, world)
     run = Run(args.steps, args.checkpoint_dir, args.checkpoint_every, args.resume,
-              args.log_every, args.fresh)
+              args.log_every, args.fresh, args.compile)
     loss = train(task, plan, run, world, rank)
     if rank == 0:
         ending = f", last loss {loss:.4f}" if loss is not None else " (nothing left to train)"

@@ -29,6 +29,7 @@ class Run:
     resume: bool = False
     log_every: int = 10
     fresh: bool = False  # a new run beside an earlier run's checkpoints in checkpoint_dir
+    compile: bool = False  # --compile: Pipeline(compile=True), whatever the task's options say
 
 
 def check_batch(x: Batch, y: Batch, step: int, expected: int, plan: Plan, replicas: int) -> None:
@@ -53,8 +54,9 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
     ``train_step`` saves every ``run.checkpoint_every`` steps there); the last step's loss
     (None when the checkpoint already held every step)."""
     replicas = world // plan.pipeline_ranks
+    options = {**task.options, **({"compile": True} if run.compile else {})}
     pipe = Pipeline(task.model, plan=plan, loss_fn=task.loss_fn, optimizer=task.optimizer,
-                    replicas=replicas, checkpoint_every=run.checkpoint_every, **task.options)
+                    replicas=replicas, checkpoint_every=run.checkpoint_every, **options)
     folder = run.checkpoint_dir
     resumed = start_or_resume(pipe, folder, run.resume, run.fresh) if folder is not None else None
     if rank == 0 and resumed is not None:
