@@ -10,6 +10,8 @@ in that folder, so a bash block may make the plan that a later block reads.
   ``# NAME.py: ...`` is saved as NAME.py (a module later blocks import) and run with
   ``python``, as is any other Python block.
 - A bash block runs with ``bash -euo pipefail``.
+- The blocks carry the ``readme`` mark: the default run leaves them out (they take minutes),
+  ``python -m pytest -m readme`` runs them, and CI runs them in every row.
 - ``<!-- readme-test: skip REASON -->`` on the line before a block leaves it out, and the test
   prints the reason; ``<!-- readme-test: needs MODULE -->`` skips it (with the reason) where
   MODULE cannot be imported.
@@ -159,6 +161,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.readme
 @pytest.mark.parametrize(
     "block", README_BLOCKS[1:], ids=[f"line{b.line}-{b.lang}" for b in README_BLOCKS[1:]]
 )
@@ -166,6 +169,7 @@ def test_readme_block_runs(block: Block, folder: Path) -> None:
     run_block("README.md", block, folder)
 
 
+@pytest.mark.readme
 @pytest.mark.parametrize(
     ("doc", "block"), DOC_BLOCKS, ids=[f"{d}-line{b.line}" for d, b in DOC_BLOCKS]
 )

@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,7 @@ import pipetrain
 from tests.runtime.harness import free_port
 from tests.test_readme import README_BLOCKS, ROOT, Block, command
 
+pytestmark = pytest.mark.readme  # README blocks: run with -m readme, as CI does
 
 def readme_block(marker: str) -> Block:
     """The one README block whose code holds ``marker``."""
