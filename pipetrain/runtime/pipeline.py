@@ -478,10 +478,11 @@ class Pipeline:
         return microbatch.gather(outputs) if outputs else None
 
     def generate(
-        self, input_ids: torch.Tensor | None, *, max_new_tokens: int,
-        attention_mask: torch.Tensor | None = None, do_sample: bool = False,
-        temperature: float = 1.0, seed: int = 0, eos_token_id: int | None = None,
-        pad_token_id: int | None = None,
+        self, input_ids: torch.Tensor | None, *, max_new_tokens: int | None = None,
+        attention_mask: torch.Tensor | None = None, do_sample: bool | None = None,
+        temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+        seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None, generation_config: object | None = None,
     ) -> torch.Tensor:
         """Continue each prompt by up to ``max_new_tokens`` tokens, in eval mode and without
         gradients (training mode is restored after; an asynchronous pipeline is flushed
@@ -499,17 +500,29 @@ class Pipeline:
             attention_mask: 1 for a token, 0 for padding (pad on the left, as for
                 transformers' generate); positions count the tokens only.
             do_sample: draw each token from softmax(logits / ``temperature``) instead of
-                taking the argmax; each row draws from a generator of its own seeded from
-                ``seed`` and its row, so a run is reproducible under any split and chunks.
-            eos_token_id: a row that produces it is finished: it then produces
-                ``pad_token_id`` (default: ``eos_token_id``), and generation stops once every
-                row is, as transformers' generate does (no default is read from a model).
+                taking the argmax (default False); each row draws from a generator of its own
+                seeded from ``seed`` (default 0) and its row, so a run is reproducible under
+                any split and chunks.
+            top_k, top_p: sampling draws among the ``top_k`` likeliest tokens (default: all),
+                then among the fewest whose probability reaches ``top_p`` (default 1.0: all),
+                as transformers applies them after the temperature (default 1.0).
+            eos_token_id: one id or several; a row that produces one is finished: it then
+                produces ``pad_token_id`` (default: the first ``eos_token_id``), and
+                generation stops once every row is, as transformers' generate does.
+            generation_config: a transformers ``GenerationConfig`` (``model.generation_config``;
+                any object with its attribute names): each argument left None takes its
+                value from it (its ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+                ``eos_token_id``, ``pad_token_id``, ``max_new_tokens``), else the default
+                above. Without one no default is read from a model.
 
         Returns:
             The sequences, prompt and new tokens, (batch, seq + new), on every rank, on the
             device of its first stage (in one process: stage 0's).
         """
-        sampling = Sampling(max_new_tokens, do_sample, temperature, seed, eos_token_id,
-                            pad_token_id)
+        sampling = Sampling.of(
+            generation_config, max_new_tokens=max_new_tokens, do_sample=do_sample,
+            temperature=temperature, seed=seed, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id, top_k=top_k, top_p=top_p,
+        )
         self.flush()
         return self._generation.run(input_ids, attention_mask, sampling)

@@ -23,14 +23,19 @@ END = _End()
 @dataclass(frozen=True)
 class Sampling:
     """How the next tokens are chosen, and when a micro-batch stops (Pipeline.generate's
-    arguments); refused with a ValueError on every rank alike."""
+    arguments); refused with a ValueError on every rank alike. Sampling draws from
+    softmax(logits / temperature) over the ``top_k`` likeliest tokens (None: all), narrowed to
+    the fewest whose probability reaches ``top_p`` (1.0: all), as transformers' generate
+    applies them, in that order."""
 
     max_new_tokens: int
     do_sample: bool = False
     temperature: float = 1.0
     seed: int = 0
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one id or several (Llama 3's two)
     pad_token_id: int | None = None
+    top_k: int | None = None
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -38,16 +43,63 @@ class Sampling:
         if self.do_sample and not (isinstance(self.temperature, int | float)
                                    and math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        for name in ("seed", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
+        if isinstance(self.eos_token_id, list | tuple):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, value in [("seed", self.seed), ("pad_token_id", self.pad_token_id),
+                            ("top_k", self.top_k), *(("eos_token_id", e) for e in eos)]:
             if not (value is None and name != "seed" or _is_int(value)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (None keeps every token), got {self.top_k}")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p!r}")
+
+    @classmethod
+    def of(cls, config: object | None, **given: object) -> Sampling:
+        """The arguments ``given`` (those that are not None), the rest from ``config`` (a
+        transformers ``GenerationConfig``, or any object with its attribute names) where it
+        has them, else the defaults; ``max_new_tokens`` is required from one or the other."""
+        fields = {}
+        for name, value in given.items():
+            if value is None and config is not None:
+                value = getattr(config, name, None)
+            if value is not None:
+                fields[name] = value
+        if "max_new_tokens" not in fields:
+            raise ValueError("generate needs max_new_tokens= (or a generation_config that has it)")
+        if fields.get("top_k") == 0:  # transformers' "no top-k" value
+            del fields["top_k"]
+        return cls(**fields)  # type: ignore[arg-type]
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        """The ids that finish a row (none: rows run to ``max_new_tokens``)."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     @property
     def pad(self) -> int | None:
-        """What a finished row produces: ``pad_token_id``, else ``eos_token_id`` (as
+        """What a finished row produces: ``pad_token_id``, else the first ``eos_token_id`` (as
         transformers' generate does)."""
-        return self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
+        return self.pad_token_id if self.pad_token_id is not None else (self.eos or (None,))[0]
+
+    def narrowed(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` (rows, vocab) over the temperature, -inf outside the top-k and the
+        top-p nucleus of each row."""
+        scores = scores / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, -1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p < 1:
+            ordered, order = scores.sort(-1, descending=True)
+            probs = ordered.softmax(-1)
+            above = probs.cumsum(-1) - probs  # the mass of the tokens ranked higher
+            outside = above >= self.top_p  # the likeliest token always stays (above = 0)
+            unsorted = torch.zeros_like(outside).scatter(-1, order, outside)
+            scores = scores.masked_fill(unsorted, -math.inf)
+        return scores
 
 
 def _is_int(value: object) -> bool:
@@ -87,9 +139,10 @@ class Feed:
 
 class Chooser:
     """The last stage's choice of one micro-batch's next tokens from its logits: the argmax,
-    or drawn from softmax(logits / temperature) by a generator per row seeded from ``seed``
-    and the row's place in the whole batch (the same draws under any split and chunks).
-    Finished rows (they produced ``eos_token_id``) produce the pad token from then on."""
+    or drawn from the narrowed softmax (:meth:`Sampling.narrowed`) by a generator per row
+    seeded from ``seed`` and the row's place in the whole batch (the same draws under any
+    split and chunks). Finished rows (they produced an ``eos_token_id``) produce the pad token
+    from then on."""
 
     def __init__(self, microbatch: int, sampling: Sampling):
         self.microbatch, self.sampling = microbatch, sampling
@@ -112,16 +165,16 @@ class Chooser:
             seeds = [row_seed(s.seed, first + r) for r in range(rows)] if s.do_sample else []
             self.generators = [torch.Generator(scores.device).manual_seed(n) for n in seeds]
         if s.do_sample:
-            probs = (scores / s.temperature).softmax(-1)
+            probs = s.narrowed(scores).softmax(-1)
             tokens = torch.cat([torch.multinomial(p, 1, generator=g)
                                 for p, g in zip(probs, self.generators, strict=True)])
         else:
             tokens = scores.argmax(-1)
         self.made += 1
         done = self.made >= s.max_new_tokens
-        if s.eos_token_id is not None and s.pad is not None:
+        if s.eos and s.pad is not None:
             tokens = torch.where(self.unfinished, tokens, s.pad)
-            self.unfinished &= tokens != s.eos_token_id
+            self.unfinished &= ~torch.isin(tokens, torch.tensor(s.eos, device=tokens.device))
             done = done or not bool(self.unfinished.any())
         return tokens, done
 

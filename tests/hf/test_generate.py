@@ -1,6 +1,8 @@
 """``Pipeline.generate`` on Hugging Face models: greedy decoding gives transformers' own
 ``generate(do_sample=False)`` token for token, on left-padded prompts, in one process and on
-2 gloo ranks, under chunks 1 and 2; sampling with a seed is reproducible, under any chunks."""
+2 gloo ranks, under chunks 1 and 2; sampling with a seed is reproducible, under any chunks;
+top-k and top-p narrow the scores as transformers' warpers do; a model's generation_config
+gives the defaults, as it does to transformers' generate."""
 
 from __future__ import annotations
 
@@ -71,6 +73,53 @@ def test_sampling_is_reproducible_under_any_chunks(one_thread) -> None:
     assert not torch.equal(drawn[1], drawn[2])  # another seed
     assert not torch.equal(drawn[0], reference("llama"))  # hot: far from greedy
     assert torch.equal(drawn[0][:, :7], ids)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
+    (1.0, 5, 1.0), (0.7, None, 0.9), (2.0, 20, 0.5), (1.0, 1, 0.3), (1.3, 50, 0.999),
+])
+def test_top_k_and_top_p_narrow_as_transformers_warpers(temperature, top_k, top_p) -> None:
+    """The same tokens kept, with the same scores, as transformers' temperature, top-k and
+    top-p warpers in its order, on random logits of 6 rows."""
+    from transformers.generation import logits_process as warpers
+
+    from pipetrain.runtime.prompts import Sampling
+
+    scores = torch.randn(6, 97, generator=torch.Generator().manual_seed(top_k or 0)) * 3
+    chain = [warpers.TemperatureLogitsWarper(temperature)]
+    chain += [warpers.TopKLogitsWarper(top_k)] if top_k else []
+    chain += [warpers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    theirs = warpers.LogitsProcessorList(chain)(torch.zeros(6, 1, dtype=torch.long), scores)
+    mine = Sampling(1, True, temperature, top_k=top_k, top_p=top_p).narrowed(scores)
+    assert torch.equal(mine.isinf(), theirs.isinf())
+    assert torch.equal(mine[~mine.isinf()], theirs[~theirs.isinf()])
+    assert (~mine.isinf()).sum(-1).min() >= 1
+
+
+def test_top_k_of_one_samples_the_greedy_tokens(one_thread) -> None:
+    ids, mask = prompts()
+    pipe = pipeline("llama", 2, devices=["cpu", "cpu"])
+    drawn = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True,
+                          temperature=5.0, top_k=1, seed=3)
+    assert torch.equal(drawn, reference("llama"))
+
+
+def test_a_generation_config_gives_the_defaults_as_to_transformers(one_thread) -> None:
+    """``generation_config=model.generation_config``: its max_new_tokens, its eos ids (two,
+    as Llama 3 has) and pad id, as transformers' generate reads them; an argument given
+    overrides it."""
+    m = model("llama").eval()
+    eos = eos_of("llama")
+    m.generation_config.update(max_new_tokens=NEW, eos_token_id=[eos, 1], pad_token_id=0,
+                               do_sample=False)
+    ids, mask = prompts()
+    pipe = pipetrain.Pipeline(hf.sequential(m), balance=[2, 3], chunks=2, devices=["cpu"] * 2)
+    expected = m.generate(ids, attention_mask=mask)
+    got = pipe.generate(ids, attention_mask=mask, generation_config=m.generation_config)
+    assert torch.equal(got, expected)
+    shorter = pipe.generate(ids, attention_mask=mask, generation_config=m.generation_config,
+                            max_new_tokens=2)
+    assert torch.equal(shorter, expected[:, : 7 + 2])
 
 
 def test_generation_leaves_training_mode_and_trains_on(one_thread) -> None:
