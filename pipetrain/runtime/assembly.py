@@ -21,7 +21,12 @@ from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_
 from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.placement import Placement
-from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
+from pipetrain.runtime.sharding import (
+    Reduction,
+    ShardedGradients,
+    refusal,
+    zero_redundancy,
+)
 from pipetrain.runtime.split_backward import Leaves
 from pipetrain.runtime.stage import Stage, StageOptions
 from pipetrain.runtime.stage_module import StageModule
@@ -154,9 +159,9 @@ def assemble(
             whole = [p for p in layers.parameters() if id(p) in tied]
             sharding = ShardedGradients(layers, group, zero, devices[s],
                                         bring_up if by_layer else None, whole,
-                                        split_backward=schedule.splits_backward,
-                                        per_microbatch=config.reduce_scatter == "microbatch",
-                                        collectives=collectives)
+                                        collectives=collectives, reduction=Reduction(
+                                            schedule.splits_backward,
+                                            config.reduce_scatter == "microbatch"))
             syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]

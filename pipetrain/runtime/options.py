@@ -224,8 +224,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("zero", "int", 0, "what each stage's data-parallel replicas shard among them",
            PLACEMENT, check_level),
     Option("reduce_scatter", "str", "step",
-           'zero 2 and 3: reduce-scatter the gradients once per "step" (default) or every '
-           '"microbatch"', PLACEMENT, check_reduce_scatter),
+           "when zero 2 and 3 reduce-scatter each stage's gradients", PLACEMENT,
+           check_reduce_scatter),
     Option("init_seed", "int | None", None, "the per-layer initialization rule's seed", LAYERS,
            part="layers"),
     Option("init", "InitFn | None", None,

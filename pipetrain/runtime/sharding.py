@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -168,6 +169,16 @@ def zero_redundancy(factory: OptimizerFactory, group: dist.ProcessGroup) -> Opti
     return build
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """When a sharded stage reduce-scatters: ``split_backward`` (zb-h1, zb-h2: after W, not
+    B), ``per_microbatch`` (``reduce_scatter="microbatch"``: every backward or W, else once
+    per step)."""
+
+    split_backward: bool = False
+    per_microbatch: bool = False
+
+
 class ShardedGradients:
     """FSDP2 on one stage's layers (zero 2 or 3), with data_parallel.GradientSync's two calls:
     ``arm`` before the stage's last gradient-making action of the mini-batch, ``finish`` at
@@ -176,14 +187,14 @@ class ShardedGradients:
     sharded, so a rank holds one whole layer at a time besides its shards.
 
     Without a split backward, the last backward reduce-scatters as it ends (armed; at zero 2
-    it also frees the gathered weights then). Under ``split_backward`` (zb-h1, zb-h2) B ends
+    it also frees the gathered weights then). Under a split backward (zb-h1, zb-h2) B ends
     each layer's backward pass before W has made its weight gradients, so FSDP2's own
     post-backward would reduce too early: every layer stays gathered from the mini-batch's
     first forward to its last W (W adds into the gathered weights' gradients, which
     :meth:`leaves` names), and ``finish`` runs each layer's post-backward itself, as
     torch.distributed.pipelining does for FSDP2 (its ``perform_reduce_grad``).
 
-    ``per_microbatch`` (``reduce_scatter="microbatch"``): every backward reduce-scatters as
+    Per micro-batch (``reduction.per_microbatch``): every backward reduce-scatters as
     it ends (FSDP2's hooks), under a split backward every W (:meth:`weights_made`); at zero 2
     and under a split backward the weights stay gathered until the last one all the same."""
 
@@ -193,10 +204,10 @@ class ShardedGradients:
         whole: Collection[nn.Parameter] = (),
         *,
         collectives: Collectives,
-        split_backward: bool = False,
-        per_microbatch: bool = False,
+        reduction: Reduction = Reduction(),
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
+        split_backward, per_microbatch = reduction.split_backward, reduction.per_microbatch
         self.split_backward, self.per_microbatch = split_backward, per_microbatch
         self.keep_gathered = zero == 2 or split_backward
         # a forward between a B and its W would free the weights W adds into

@@ -94,8 +94,8 @@ def stage_costs(
 def held(inst: Instance, i: int, j: int, replicas: int) -> int:
     """Bytes of layers [i, j)'s weights, gradients and optimizer state on one of ``replicas``
     devices: under ZeRO each sharded part of each layer is split evenly, rounded up (the
-    gradients only when reduced per micro-batch); at 2 and 3 a tied weight, its gradient and its share of the optimizer state (by bytes, rounded
-    down) are held whole."""
+    gradients only when reduced per micro-batch); at 2 and 3 a tied weight, its gradient
+    and its share of the optimizer state (by bytes, rounded down) are held whole."""
     total = 0
     for k in range(i, j):
         params, everything = inst.param_bytes[k], inst.weight_bytes[k]
