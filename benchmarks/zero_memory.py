@@ -1,5 +1,7 @@
-"""What ZeRO 0-3 leaves on each rank: bytes of weights, gradients and optimizer state, and the
-resident growth of one training step, for 2 stages x 2 and x 4 replicas.
+"""What ZeRO 0-3 leaves on each rank: bytes of weights, gradients and optimizer state, the
+resident growth of one training step and the rank's peak, for 2 stages x 2 and x 4 replicas,
+zero 2 and 3 with each ``reduce_scatter`` mode ("step": once per mini-batch; "microbatch":
+after every micro-batch's backward), side by side; and the median step time of each row.
 
     PYTHONPATH=. python benchmarks/zero_memory.py                  # GPT, dim 256, 8 blocks
     PYTHONPATH=. python benchmarks/zero_memory.py --dim 64 --blocks 2 --replicas 2   # quick
@@ -19,7 +21,10 @@ returned the freed pages (else the step reuses them unseen), with every tensor o
 more in a mapping of its own (MALLOC_MMAP_THRESHOLD_): what the step adds on top of
 what is held (gathered weights, whole gradients, activations, buffers of the collectives). Each
 column is the largest rank's; "optimizer / zero 0" is that rank's optimizer bytes over zero 0's
-of the same replicas. Memory does not depend on timing: one run per row.
+of the same replicas. "peak MiB" is the largest rank's held bytes plus its step growth (the
+most a rank holds at once in a step). Memory does not depend on timing: one run per row; the
+step time is the median of ``--timed`` steps after the measured one (the ranks' slowest, on a
+machine shared with other jobs: compare rows of one run only).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import argparse
 import ctypes
 import os
 import re
+import statistics
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -75,8 +82,8 @@ def held(pipe: pipetrain.Pipeline) -> tuple[int, int, int]:
     return weights, grads, state
 
 
-def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace,
-           results) -> None:
+def worker(rank: int, port: int, world: int, zero: int, reduce_scatter: str,
+           args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
@@ -90,7 +97,7 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
     pipe = pipetrain.Pipeline(
         model, [half, len(model) - half], chunks=4, replicas=replicas, zero=zero,
         loss_fn=lm_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), timeout=300,
-        init_seed=0, schedule=args.schedule,
+        init_seed=0, schedule=args.schedule, reduce_scatter=reduce_scatter,
     )
     built = _kib("VmHWM") - start
     g = torch.Generator().manual_seed(pipe.placement.replica)
@@ -105,8 +112,14 @@ def worker(rank: int, port: int, world: int, zero: int, args: argparse.Namespace
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     pipe.train_step(x, y)
     growth = _kib("VmHWM") - before
-    every: list[tuple[int, ...] | None] = [None] * world
-    dist.all_gather_object(every, (*numbers, growth, built))
+    times = []
+    for _ in range(args.timed):
+        dist.barrier()
+        start_time = time.perf_counter()
+        pipe.train_step(x, y)
+        times.append(time.perf_counter() - start_time)
+    every: list[tuple[float, ...] | None] = [None] * world
+    dist.all_gather_object(every, (*numbers, growth, built, statistics.median(times)))
     if rank == 0:
         results.put(every)
     dist.destroy_process_group()
@@ -120,6 +133,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per replica")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedule", default="1f1b", help="a synchronous schedule")
+    parser.add_argument("--timed", type=int, default=5, help="steps timed per row")
     args = parser.parse_args()
     # glibc: every tensor of 128 KiB or more its own mapping, returned when freed, so that the
     # peak resident set counts what a step holds at once (by default glibc raises this
@@ -132,18 +146,24 @@ def main() -> None:
           f"{params * 4 / MiB:.0f} MiB of fp32 weights), 2 stages, AdamW, {args.schedule}, "
           f"4 micro-batches "
           f"of {args.batch // 4} x {args.context} tokens per replica, gloo, 1 thread per process")
-    print("\n| replicas | zero | weights MiB | gradients MiB | optimizer MiB | "
-          "optimizer / zero 0 | step growth MiB | build growth MiB |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("\n| replicas | zero | reduce_scatter | weights MiB | gradients MiB | optimizer MiB | "
+          "optimizer / zero 0 | step growth MiB | peak MiB | build growth MiB | step ms |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(0, "step"), (1, "step"), (2, "step"), (2, "microbatch"), (3, "step"),
+            (3, "microbatch")]
     for replicas in args.replicas:
         base = None
-        for zero in (0, 1, 2, 3):
-            ranks = spawn_ranks(worker, 2 * replicas, 2 * replicas, zero, args)
-            weights, grads, state, growth, built = (max(r[i] for r in ranks) for i in range(5))
+        for zero, mode in rows:
+            ranks = spawn_ranks(worker, 2 * replicas, 2 * replicas, zero, mode, args)
+            weights, grads, state, growth, built, step = (
+                max(r[i] for r in ranks) for i in range(6)
+            )
+            peak = max(sum(r[:4]) for r in ranks)
             base = state if zero == 0 else base
-            print(f"| {replicas} | {zero} | {weights / MiB:.1f} | {grads / MiB:.1f} | "
+            shown = mode if zero >= 2 else "-"
+            print(f"| {replicas} | {zero} | {shown} | {weights / MiB:.1f} | {grads / MiB:.1f} | "
                   f"{state / MiB:.1f} | {state / base:.3f} | {growth / MiB:.1f} | "
-                  f"{built / MiB:.1f} |", flush=True)
+                  f"{peak / MiB:.1f} | {built / MiB:.1f} | {step * 1e3:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ linear), activation bytes rounded up to whole bytes. Parameters do not scale.
 Time of stage t holding layers [i, j) on ``r`` replicas of speed ``v``::
 
     compute(t) = sum(fwd + bwd + c fwd)[i:j] / (v * r)  +  allreduce(t) / m
-    allreduce(t) = 2 (r - 1) / r * param_bytes[i:j] / bandwidth      (ring, once per step)
+    allreduce(t) = n (r - 1) / r * param_bytes[i:j] / bandwidth      (ring, per step)
+
+with n = 2 ring passes (an all-reduce, or at zero 2 and 3 a reduce-scatter and an all-gather)
+once per step, except at zero 2 and 3 with ``reduce_scatter="microbatch"``: a reduce-scatter
+per micro-batch and one all-gather, n = m + 1.
     link(t)    = 2 * cut_bytes[j] / bandwidth(t -> t+1)               (activation + gradient)
     cost(t)    = max(compute(t), link(t))
 
@@ -23,7 +27,9 @@ Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight`
 
 ``weights`` is parameters + gradients (same size) + optimizer state, each divided by the stage's
 replicas where ``zero`` shards it (1: the optimizer state; 2: and the gradients; 3: and the
-parameters: ZeRO, pipetrain/runtime/sharding.py), except that at 2 and 3 a tied weight
+parameters: ZeRO, pipetrain/runtime/sharding.py; the gradients only where they are
+reduce-scattered per micro-batch, ``reduce_scatter="microbatch"``: reduced once per step, a
+step holds them whole until its last backward), except that at 2 and 3 a tied weight
 (``tied_bytes``: held by another layer too) stays whole with its gradient and optimizer state,
 as the runtime keeps a weight tied across stages; ``cut_bytes[i]`` is what the
 stage receives (its input, kept for backward); with recomputation ("always", c = 1 above) only
@@ -45,6 +51,7 @@ from schedules import DEFAULT_SCHEDULE, Schedule, build, lookup
 from schedules import inflight as schedule_inflight
 
 CHECKPOINT = ("never", "auto", "always")
+REDUCE_SCATTER = ("step", "microbatch")  # when zero 2 and 3 reduce the gradients (docstring)
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
 
 
@@ -113,6 +120,18 @@ class Problem:
     microbatches: int = 1
     allreduce_bandwidth: float = math.inf
     zero: int = 0  # what a replicated stage shards over its replicas (module docstring)
+    reduce_scatter: str = "step"  # zero 2 and 3: gradients reduced per step or micro-batch
+
+    @property
+    def sharded_gradients(self) -> bool:
+        """Whether a step holds only the shards of its gradients (zero 2 and 3, reduced per
+        micro-batch)."""
+        return self.zero >= 2 and self.reduce_scatter == "microbatch"
+
+    @property
+    def ring_passes(self) -> int:
+        """Ring passes of a stage's parameter bytes per step (module docstring's n)."""
+        return self.microbatches + 1 if self.sharded_gradients else 2
 
     @property
     def layers(self) -> int:
@@ -212,6 +231,7 @@ def make_problem(
     microbatches: int = 1,
     allreduce_bandwidth: float | None = None,
     zero: int = 0,
+    reduce_scatter: str = "step",
 ) -> Problem:
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
     resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
@@ -244,6 +264,8 @@ def make_problem(
     )
     if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
+    if reduce_scatter not in REDUCE_SCATTER:
+        raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER}, got {reduce_scatter!r}")
     return Problem(
         forward=fwd,
         backward=bwd,
@@ -265,6 +287,7 @@ def make_problem(
             allreduce_bandwidth if allreduce_bandwidth is not None else (bw[0] if bw else math.inf)
         ),
         zero=zero,
+        reduce_scatter=reduce_scatter,
     )
 
 
@@ -288,6 +311,7 @@ def problem_from_profile(
     bandwidth: float | Sequence[float] = math.inf,
     devices: int | None = None,
     zero: int = 0,
+    reduce_scatter: str = "step",
 ) -> Problem:
     """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
     (default: the profile's batch size) under ``schedule`` (with ``virtual_stages`` stages per
@@ -330,6 +354,7 @@ def problem_from_profile(
         microbatches=microbatches,
         allreduce_bandwidth=float(bandwidth) if isinstance(bandwidth, int | float) else None,
         zero=zero,
+        reduce_scatter=reduce_scatter,
     )
 
 
@@ -344,8 +369,8 @@ def compute_prefix(
     work = problem.cost + problem.forward if recompute else problem.cost
     per_layer = work / (problem.speed[stage] * replicas)
     if replicas > 1:
-        share = (
-            2.0 * (replicas - 1) / replicas / (problem.allreduce_bandwidth * problem.microbatches)
+        share = problem.ring_passes * (replicas - 1) / replicas / (
+            problem.allreduce_bandwidth * problem.microbatches
         )
         per_layer = per_layer + problem.param_bytes * share
     return np.concatenate(([0.0], np.cumsum(per_layer)))
@@ -370,7 +395,9 @@ def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
     optimizer = problem.weight_bytes - 2 * params
     tied = problem.tied_bytes if problem.zero >= 2 else np.zeros_like(params)
     tied_state = optimizer * tied // np.maximum(params, 1)  # tied is 0 where params is
-    divisors = [replicas if problem.zero >= level else 1 for level in (3, 2, 1)]
+    divisors = [replicas if problem.zero >= 3 else 1,
+                replicas if problem.sharded_gradients else 1,
+                replicas if problem.zero >= 1 else 1]
     sharded = (params - tied, params - tied, optimizer - tied_state)
     held: np.ndarray = 2 * tied + tied_state + sum(
         -(-part // d) for part, d in zip(sharded, divisors, strict=True)
@@ -462,7 +489,8 @@ def evaluate(
                 backward=float(problem.backward[i:j].sum()) / divisor + (forward if again else 0),
                 weight=float(problem.weight_gradient[i:j].sum()) / divisor,
                 compute=float(prefix[j] - prefix[i]),
-                allreduce=2.0 * (r - 1) / r * grads / problem.allreduce_bandwidth,
+                allreduce=problem.ring_passes * (r - 1) / r * grads
+                / problem.allreduce_bandwidth,
                 link=0.0 if last else float(link_time(problem, t)[j]),
                 message=0.0 if last else float(problem.cut_bytes[j]) / problem.bandwidth[t],
                 send_bytes=0 if last else int(problem.cut_bytes[j]),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import networkx as nx
 
 from partitioner.costs import (
+    REDUCE_SCATTER,
     Problem,
     StageCost,
     evaluate,
@@ -48,6 +50,7 @@ def plan(
     overhead: float = 0.0,
     virtual_stages: int = 2,
     zero: int = 0,
+    reduce_scatter: str = "auto",
 ) -> Plan:
     """Split ``profile`` into ``stages`` stages for ``microbatches`` micro-batches per step.
 
@@ -61,7 +64,10 @@ def plan(
     Raises InfeasibleError when nothing fits, naming the cap that would and the ways out.
     ``zero``: each replicated stage shards its optimizer state (1), also its gradients (2),
     also its weights (3) over its replicas, as ``Pipeline(zero=...)`` does: a stage's memory
-    counts its share of them.
+    counts its share of them. ``reduce_scatter`` (zero 2 and 3, as ``Pipeline``'s): "step"
+    counts a step's gradients whole and one reduce-scatter, "microbatch" their shards and a
+    reduce-scatter per micro-batch; "auto" (default) plans under both and keeps the faster
+    split that fits, "step" on a tie (``Plan.reduce_scatter`` says which).
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -100,13 +106,43 @@ def plan(
         devices=count,
         zero=zero,
     )
-    split = _solve(problem, use_ilp, schedule, checkpoint)
+    split, mode = _choose(problem, use_ilp, schedule, checkpoint, reduce_scatter)
     ranks = ranks or _ranks(split, schedule, microbatches, virtual_stages, cap)
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    return _make_plan(
+    made = _make_plan(
         profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
         Host(cores, overhead), virtual_stages,
     )
+    return replace(made, reduce_scatter=mode)
+
+
+def _choose(
+    problem: Problem, use_ilp: bool, schedule: str, checkpoint: str, reduce_scatter: str
+) -> tuple[Split, str]:
+    """The split and the reduce-scatter mode it is planned under (:func:`plan`): under
+    "auto" at zero 2 and 3 the faster of the two that fit, by the bottleneck."""
+    if reduce_scatter not in ("auto", *REDUCE_SCATTER):
+        raise ValueError(f"reduce_scatter must be 'auto' or one of {REDUCE_SCATTER}, got "
+                         f"{reduce_scatter!r}")
+    if reduce_scatter == "microbatch" and problem.zero < 2:
+        raise ValueError(f"reduce_scatter='microbatch' needs zero 2 or 3 (zero={problem.zero} "
+                         "keeps the gradients whole): pass --zero 2 or 3")
+    if reduce_scatter != "auto":
+        modes: tuple[str, ...] = (reduce_scatter,)
+    else:
+        modes = REDUCE_SCATTER if problem.zero >= 2 else ("step",)
+    found: list[tuple[Split, str]] = []
+    failure: InfeasibleError | None = None
+    for mode in modes:  # "step" first: kept on a tie (fewer collectives)
+        try:
+            found.append((_solve(replace(problem, reduce_scatter=mode), use_ilp, schedule,
+                                 checkpoint), mode))
+        except InfeasibleError as error:
+            failure = error  # the last mode's: the smallest cap
+    if not found:
+        assert failure is not None
+        raise failure
+    return min(found, key=lambda pair: pair[0].bottleneck)
 
 
 def _ranks(

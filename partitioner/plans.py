@@ -112,6 +112,7 @@ class Plan:
     device: str = ""
     solver: str = "dp"
     host: Host = field(default_factory=Host)
+    reduce_scatter: str = "step"  # zero 2 and 3: Pipeline(reduce_scatter=) the plan counts
     version: int = VERSION
 
     @property
@@ -206,7 +207,8 @@ class Plan:
                 f"plan version {data.get('version')!r} is not supported (this pipetrain reads "
                 f"version {VERSION}); re-run `pipetrain plan`"
             )
-        values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"))
+        values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"),
+                               optional=("reduce_scatter",))
         stages = [
             _stage_from_dict(s, t, values["checkpoint"])
             for t, s in enumerate(typed(data, "per_stage", list, "plan", PlanFileError))

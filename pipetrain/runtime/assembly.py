@@ -5,7 +5,7 @@ asked and possible)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import cast
@@ -21,7 +21,12 @@ from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_
 from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.layers import LayerSource
 from pipetrain.runtime.placement import Placement
-from pipetrain.runtime.sharding import ShardedGradients, refusal, zero_redundancy
+from pipetrain.runtime.sharding import (
+    Reduction,
+    ShardedGradients,
+    refusal,
+    zero_redundancy,
+)
 from pipetrain.runtime.split_backward import Leaves
 from pipetrain.runtime.stage import Stage, StageOptions
 from pipetrain.runtime.stage_module import StageModule
@@ -107,6 +112,7 @@ def assemble(
         model, balance=list(config.balance), chunks=config.chunks, schedule=config.schedule,
         lists=config.lists_digest,
         recompute=config.recompute, replicas=world.placement.replicas, zero=config.zero,
+        reduce_scatter=config.reduce_scatter,
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         check_batches=config.check_batches, compile=config.compile, **source.settings(),
     ))
@@ -153,8 +159,9 @@ def assemble(
             whole = [p for p in layers.parameters() if id(p) in tied]
             sharding = ShardedGradients(layers, group, zero, devices[s],
                                         bring_up if by_layer else None, whole,
-                                        split_backward=schedule.splits_backward,
-                                        collectives=collectives)
+                                        collectives=collectives, reduction=Reduction(
+                                            schedule.splits_backward,
+                                            config.reduce_scatter == "microbatch"))
             syncs = [*shared[s], sharding]
         else:
             syncs = shared[s]
@@ -162,6 +169,7 @@ def assemble(
             config, schedule, parts, s, world.device(schedule.rank_of(s)), seeds[s],
             owned_elsewhere=frozenset(i for i, o in owner.items() if o != s), syncs=syncs,
             weight_leaves=sharding.leaves if sharding is not None else None,
+            after_weights=sharding.weights_made if sharding is not None else None,
         ))
     return built, ties
 
@@ -180,9 +188,11 @@ def _build_stage(
     config: PipelineConfig, schedule: Schedule, parts: Parts, index: int,
     device: torch.device, seed: int, owned_elsewhere: frozenset[int],
     syncs: Sequence[Sync], weight_leaves: Leaves | None,
+    after_weights: Callable[[], None] | None = None,
 ) -> Stage:
     """Stage ``index`` on ``device``, whole; asynchronous schedules give it its weight
-    versions, ZeRO 2 and 3 the gathered weights its W reaches (``weight_leaves``)."""
+    versions, ZeRO 2 and 3 the gathered weights its W reaches (``weight_leaves``) and what
+    follows each W (``after_weights``)."""
     offset, module = parts[index]
     versions = None
     if schedule.asynchronous:
@@ -197,7 +207,8 @@ def _build_stage(
         loss_divisor=config.loss_divisor, autocast_dtype=config.autocast_dtype, seed=seed,
         lr_scheduler=config.lr_scheduler, syncs=syncs, owned_elsewhere=owned_elsewhere,
         weight_versions=versions, track_memory=config.track_memory,
-        weight_leaves=weight_leaves, compile=config.stage_compile(index),
+        weight_leaves=weight_leaves, after_weights=after_weights,
+        compile=config.stage_compile(index),
     )
     reason = inductor_refusal(device) if options.compile else None
     if reason is not None:

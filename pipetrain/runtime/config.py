@@ -72,6 +72,7 @@ class PipelineConfig:
     delay_compensation: DelayCompensation | str | None  # "auto": resolved per stage (weights.py)
     timeout: float
     zero: int  # what replicas shard: 0 nothing .. 3 weights (pipetrain/runtime/sharding.py)
+    reduce_scatter: str  # zero 2 and 3: "step" or "microbatch" (sharding.py)
     checkpoint_dir: str | os.PathLike[str] | None
     checkpoint_every: int
     deferred_batch_norm: bool
@@ -201,6 +202,13 @@ class PipelineConfig:
                 "replaces them with compiled code: pass one of cuda_graphs= and compile="
             )
         _check_step_options(values, spec.asynchronous)
+        if values["reduce_scatter"] != "step" and values["zero"] < 2:
+            raise ValueError(
+                f"reduce_scatter={values['reduce_scatter']!r} says when zero 2 and 3 "
+                f"reduce-scatter the sharded gradients, but zero={values['zero']} keeps them "
+                "whole (all-reduced once per step): pass zero=2 or 3 with it, or leave "
+                "reduce_scatter out"
+            )
         dtype = values["autocast_dtype"] = autocast_dtype(values["precision"])
         values["loss_scaling"] = dtype is torch.float16
         return cls(balance=tuple(check_balance(model, balance)), **values)

@@ -29,7 +29,7 @@ from partitioner import Plan
 from pipetrain.observe.progress import Progress, progress_option
 from pipetrain.runtime.compiled import compile_option
 from pipetrain.runtime.cuda_graphs import check_mode
-from pipetrain.runtime.sharding import check_level
+from pipetrain.runtime.sharding import check_level, check_reduce_scatter
 from pipetrain.runtime.stage_optimizer import OptimizerFactory, SchedulerFactory
 from pipetrain.runtime.stage_slice import LossFn
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
@@ -223,6 +223,9 @@ OPTIONS: tuple[Option, ...] = (
            _timeout),
     Option("zero", "int", 0, "what each stage's data-parallel replicas shard among them",
            PLACEMENT, check_level),
+    Option("reduce_scatter", "str", "step",
+           "when zero 2 and 3 reduce-scatter each stage's gradients", PLACEMENT,
+           check_reduce_scatter),
     Option("init_seed", "int | None", None, "the per-layer initialization rule's seed", LAYERS,
            part="layers"),
     Option("init", "InitFn | None", None,
@@ -277,6 +280,7 @@ class PipelineOptions(TypedDict, total=False):
     replicas: int | None
     timeout: float
     zero: int
+    reduce_scatter: str
     init_seed: int | None
     init: InitFn | None
     weights: str | os.PathLike[str] | None

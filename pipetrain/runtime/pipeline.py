@@ -141,6 +141,12 @@ class Pipeline:
             the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
             there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
             ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
+        reduce_scatter: when zero 2 and 3 reduce-scatter each stage's gradients: "step"
+            (default) once per mini-batch, after the stage's last backward (or W): one
+            collective, but a step holds the stage's whole gradients until then; "microbatch"
+            after every backward (or W), as FSDP2 does by default: a rank holds only its
+            shard of the gradients accumulated, at a reduce-scatter per micro-batch. The
+            parameters are the same (the sums in another order). Refused at zero 0 and 1.
         init_seed: the per-layer initialization rule's seed (pipetrain/training/lazy.py): layer i is
             seeded from it and i, then ``init(layer)`` or its modules' ``reset_parameters()``
             run. Needed for a meta-device model without ``weights``; on an eagerly built model

@@ -14,11 +14,16 @@ the replica group of placement.py. ``zero`` says what those copies stop repeatin
   and kept whole until its last backward (``reshard_after_forward=False``).
 * 3: and the weights: gathered for each forward and again for each backward, freed after.
 
-Under micro-batching the gradients are reduced once per mini-batch, at the stage's last
-backward (``set_requires_gradient_sync``): until then each replica accumulates the whole
-gradients of its micro-batches, so at zero 2 and 3 a step holds the stage's whole gradients
-from its first backward to its last; the sharded gradients are what stays between steps
-(benchmarks/zero_memory.py measures both). The gradients held after the reduce-scatter are
+Under micro-batching ``reduce_scatter`` says when the gradients are reduced. "step" (the
+default): once per mini-batch, at the stage's last backward (``set_requires_gradient_sync``):
+until then each replica accumulates the whole gradients of its micro-batches, so at zero 2 and
+3 a step holds the stage's whole gradients from its first backward to its last.
+"microbatch" (FSDP2's own default): every backward (under a split backward every W)
+reduce-scatters its gradients at once, each added into the shards' (FSDP2 accumulates
+them), so a rank holds a layer's whole gradients only while its backward makes them, at the
+price of a reduce-scatter per micro-batch instead of one per step; the sums are the same in
+another order. The sharded gradients are what stays between steps (benchmarks/zero_memory.py
+measures both modes). The gradients held after the reduce-scatter are
 DTensors: update.py reads their local shards for the global norm (each shard counted once),
 clips them in place, and the optimizer steps the shards. Checkpoints hold whole tensors
 (:class:`Checkpointing`).
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -95,6 +101,7 @@ if TYPE_CHECKING:
     from pipetrain.runtime.collectives import Collectives
 
 LEVELS = (0, 1, 2, 3)
+REDUCE_SCATTER = ("step", "microbatch")  # when zero 2 and 3 reduce-scatter (module docstring)
 
 
 def check_level(zero: object) -> int:
@@ -105,6 +112,17 @@ def check_level(zero: object) -> int:
             f"the gradients) or 3 (and the weights), got {zero!r}"
         )
     return int(zero)
+
+
+def check_reduce_scatter(mode: object) -> str:
+    """``mode`` as one of REDUCE_SCATTER, else refused."""
+    if mode not in REDUCE_SCATTER:
+        raise ValueError(
+            f"reduce_scatter must be 'step' (zero 2 and 3 reduce-scatter the gradients once "
+            f"per mini-batch) or 'microbatch' (after every micro-batch's backward, holding only "
+            f"the shards), got {mode!r}"
+        )
+    return str(mode)
 
 
 def refusal(zero: int, schedule: Schedule, cuda_graphs: bool) -> str | None:
@@ -151,6 +169,16 @@ def zero_redundancy(factory: OptimizerFactory, group: dist.ProcessGroup) -> Opti
     return build
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """When a sharded stage reduce-scatters: ``split_backward`` (zb-h1, zb-h2: after W, not
+    B), ``per_microbatch`` (``reduce_scatter="microbatch"``: every backward or W, else once
+    per step)."""
+
+    split_backward: bool = False
+    per_microbatch: bool = False
+
+
 class ShardedGradients:
     """FSDP2 on one stage's layers (zero 2 or 3), with data_parallel.GradientSync's two calls:
     ``arm`` before the stage's last gradient-making action of the mini-batch, ``finish`` at
@@ -159,12 +187,16 @@ class ShardedGradients:
     sharded, so a rank holds one whole layer at a time besides its shards.
 
     Without a split backward, the last backward reduce-scatters as it ends (armed; at zero 2
-    it also frees the gathered weights then). Under ``split_backward`` (zb-h1, zb-h2) B ends
+    it also frees the gathered weights then). Under a split backward (zb-h1, zb-h2) B ends
     each layer's backward pass before W has made its weight gradients, so FSDP2's own
     post-backward would reduce too early: every layer stays gathered from the mini-batch's
     first forward to its last W (W adds into the gathered weights' gradients, which
     :meth:`leaves` names), and ``finish`` runs each layer's post-backward itself, as
-    torch.distributed.pipelining does for FSDP2 (its ``perform_reduce_grad``)."""
+    torch.distributed.pipelining does for FSDP2 (its ``perform_reduce_grad``).
+
+    Per micro-batch (``reduction.per_microbatch``): every backward reduce-scatters as
+    it ends (FSDP2's hooks), under a split backward every W (:meth:`weights_made`); at zero 2
+    and under a split backward the weights stay gathered until the last one all the same."""
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
@@ -172,10 +204,11 @@ class ShardedGradients:
         whole: Collection[nn.Parameter] = (),
         *,
         collectives: Collectives,
-        split_backward: bool = False,
+        reduction: Reduction = Reduction(),
     ):
         mesh = DeviceMesh.from_group(group, device_type=device.type)
-        self.split_backward = split_backward
+        split_backward, per_microbatch = reduction.split_backward, reduction.per_microbatch
+        self.split_backward, self.per_microbatch = split_backward, per_microbatch
         self.keep_gathered = zero == 2 or split_backward
         # a forward between a B and its W would free the weights W adds into
         reshard = zero == 3 and not split_backward
@@ -196,6 +229,8 @@ class ShardedGradients:
                                                          prepend=True)
                     if reshard:  # after FSDP2's own post-forward
                         member.register_forward_hook(_aliased_outputs)
+                    if per_microbatch:  # every backward reduces: note from the first on
+                        member.register_forward_hook(self._hook_gradients)
                 shards += unit
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
                     ignored_params=kept or None)
@@ -220,6 +255,7 @@ class ShardedGradients:
         # per weight, how many replicas made its gradient this step (summed at finish)
         self._presence = torch.ones(len(self._weights), device=device)
         self._hooked: set[int] = set()
+        self._unhooked = len(self._weights)  # weights not yet looked at by _note_gradients
         if split_backward:  # what _reduce reads, there before the first step
             for part in [module, *shards]:
                 for group in param_groups(state(part)):
@@ -229,8 +265,9 @@ class ShardedGradients:
         self._accumulate()
 
     def _accumulate(self) -> None:
-        """Until armed, backwards add to each replica's whole gradients, not reduced."""
-        self.module.set_requires_gradient_sync(False)
+        """Until armed, backwards add to each replica's whole gradients, not reduced (per
+        micro-batch, without a split backward: each reduces as it ends)."""
+        self.module.set_requires_gradient_sync(self.per_microbatch and not self.split_backward)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(False)
         if self.split_backward:  # no backward pass is the mini-batch's last: finish is
@@ -239,18 +276,29 @@ class ShardedGradients:
     def arm(self) -> None:
         if self.split_backward:  # the reduce-scatter waits for the last W: finish
             return
-        self._note_gradients()
-        self.module.set_requires_gradient_sync(True)
+        if not self.per_microbatch:  # (per micro-batch the hooks are on, and it reduces)
+            self._note_gradients()
+            self.module.set_requires_gradient_sync(True)
         if self.keep_gathered:
             self.module.set_reshard_after_backward(True)
+
+    def weights_made(self) -> None:
+        """After a W, reduced per micro-batch under a split backward: reduce-scatter its
+        gradients into the shards', the weights kept gathered for the Ws still to come."""
+        if not (self.split_backward and self.per_microbatch):
+            return
+        self.module.set_requires_gradient_sync(True)  # is_last_backward stays False: no wait
+        self._post_backward()
+        self.module.set_requires_gradient_sync(False)  # B's own hooks do not reduce
 
     def finish(self) -> None:
         """FSDP2 waited for its reduce-scatters when the last backward ended (under a split
         backward, they run here, after the last W); back to accumulating for the next
         mini-batch."""
         if self.split_backward:
-            self._note_gradients()
-            self._reduce()
+            if not self.per_microbatch:
+                self._note_gradients()
+            self._reduce(sync=not self.per_microbatch)  # per W: reduced, only reshard
         self._accumulate()
         self._drop_absent()
 
@@ -264,11 +312,19 @@ class ShardedGradients:
                 continue
             if gathered.grad is not None or weight.unsharded_accumulated_grad is not None:
                 self._seen.add(i)
-            if i not in self._hooked and gathered.requires_grad:  # a frozen one gets none
-                gathered.register_post_accumulate_grad_hook(
-                    lambda _, i=i: self._seen.add(i)
-                )
+            if i not in self._hooked:
+                self._unhooked -= 1
                 self._hooked.add(i)
+                if gathered.requires_grad:  # a frozen one gets none
+                    gathered.register_post_accumulate_grad_hook(
+                        lambda _, i=i: self._seen.add(i)
+                    )
+
+    def _hook_gradients(self, *_: object) -> None:
+        """A sharded layer's forward hook, reduced per micro-batch: hook the gathered weights
+        (there from their first forward on) before any backward reduces their gradients."""
+        if self._unhooked:
+            self._note_gradients()
 
     def rebind(self) -> None:
         """None seen yet this step (FSDP2 makes a dropped sharded gradient anew at its next
@@ -312,14 +368,18 @@ class ShardedGradients:
             found.append(current)
         return found
 
-    def _reduce(self) -> None:
+    def _reduce(self, sync: bool) -> None:
         """Each layer's FSDP2 post-backward, now that every W has run: reduce-scatter the
-        whole gradients into the shards' and free the gathered weights; then the root's end
-        of backward (it waits for the reductions and resets FSDP2's state for the next
-        mini-batch)."""
+        whole gradients into the shards' (``sync``; else each W did) and free the gathered
+        weights; then the root's end of backward (it waits for the reductions and resets
+        FSDP2's state for the next mini-batch)."""
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True)
-        self.module.set_requires_gradient_sync(True)
+        self.module.set_requires_gradient_sync(sync)
+        self._post_backward()
+
+    def _post_backward(self) -> None:
+        """Every FSDP2 parameter group's post-backward, then the root's end of backward."""
         for own in all_states(self._layers):
             for group in param_groups(own):
                 group.post_backward()

@@ -61,6 +61,8 @@ class StageOptions:
     ``track_memory`` counts the bytes the stage saves for backward (``stage.ledger``).
     ``weight_leaves`` gives what W differentiates for the stage's weights (ZeRO 2 and 3: the
     gathered parameters FSDP2 swapped in, sharding.py); None: the weights themselves.
+    ``after_weights`` runs after each W (ZeRO 2 and 3 reduced per micro-batch: the
+    reduce-scatter of its gradients).
     ``compile`` runs each layer through torch.compile (compiled.py), and then no backward is
     split: B makes the weight gradients too.
     """
@@ -76,6 +78,7 @@ class StageOptions:
     weight_versions: VersionsFactory | None = None
     track_memory: bool = False
     weight_leaves: Leaves | None = None
+    after_weights: Callable[[], None] | None = None
     compile: bool = False
 
 
@@ -119,6 +122,7 @@ class Stage:
                  if p.requires_grad and id(p) not in o.owned_elsewhere]
         self._update = StageOptimizer(owned, optimizer, o.lr_scheduler)
         self.syncs = list(o.syncs)  # gradient all-reduces before each optimizer step
+        self._after_weights = o.after_weights
         self.ledger = ActivationLedger.for_parameters(owned) if o.track_memory else None
         self._stash: dict[int, _Stashed] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -346,6 +350,8 @@ class Stage:
         )
         if self.ledger:
             self.ledger.release(microbatch)  # the graph goes with W's work
+        if self._after_weights is not None:
+            self._after_weights()
 
     def weights_pending(self, microbatch: int) -> bool:
         """Whether micro-batch ``microbatch``'s weight gradients wait for

@@ -78,6 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             overhead=on.overhead,
             virtual_stages=args.virtual_stages,
             zero=args.zero,
+            reduce_scatter=args.reduce_scatter,
         )
     except InfeasibleError as error:
         message = " ".join(error.for_command_line().split())
@@ -87,8 +88,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"infeasible: {message}") from None
     print(describe_plan(result))
     if args.zero and any(len(stage.ranks) > 1 for stage in result.per_stage):
+        train = f"zero={args.zero}"
+        if args.zero >= 2:
+            train += f", reduce_scatter={result.reduce_scatter!r}"
+            print(f"reduce_scatter: {result.reduce_scatter} (gradients "
+                  + ("sharded, a reduce-scatter per micro-batch)" if result.reduce_scatter
+                     == "microbatch" else "whole during the step, one reduce-scatter)"))
         print(f"memory: each replicated stage's share of what zero={args.zero} shards over its "
-              f"replicas; train with Pipeline(..., zero={args.zero})")
+              f"replicas; train with Pipeline(..., {train})")
     if args.output:
         save(result.to_json(), args.output)
         print(f"wrote {args.output}")
@@ -121,6 +128,15 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         choices=[0, 1, 2, 3],
         help="what each replicated stage shards over its replicas, as Pipeline(zero=): 1 the "
         "optimizer state, 2 also the gradients, 3 also the weights (default 0: nothing)",
+    )
+    p.add_argument(
+        "--reduce-scatter",
+        default="auto",
+        choices=["auto", "step", "microbatch"],
+        help="at --zero 2 and 3, when each stage reduce-scatters its gradients, as "
+        "Pipeline(reduce_scatter=): step (whole gradients through the step, one reduce-scatter), "
+        "microbatch (their shards, a reduce-scatter per micro-batch), auto (default: the faster "
+        "plan that fits)",
     )
     p.add_argument("--solver", default="auto", choices=["auto", "dp", "ilp"])
     p.add_argument(

@@ -33,6 +33,7 @@ class Instance:
     devices: int = 0
     microbatches: int = 1
     zero: int = 0  # what a replicated stage shards: 1 optimizer state, 2 + gradients, 3 + weights
+    reduce_scatter: str = "step"  # zero 2 and 3: "step" holds a step's gradients whole
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``partitioner.make_problem``."""
@@ -52,6 +53,7 @@ class Instance:
             "devices": self.devices,
             "microbatches": self.microbatches,
             "zero": self.zero,
+            "reduce_scatter": self.reduce_scatter,
         }
 
 
@@ -76,7 +78,10 @@ def stage_costs(
         work = sum(inst.forward[i:j]) * (2 if again else 1) + sum(inst.backward[i:j])
         grads = sum(inst.param_bytes[i:j])
         bandwidth = inst.bandwidth[0] if inst.bandwidth else float("inf")
-        allreduce = 2 * (r - 1) / r * grads / bandwidth
+        # ring passes per step: a reduce-scatter per micro-batch and an all-gather, or 2
+        per_microbatch = inst.zero >= 2 and inst.reduce_scatter == "microbatch"
+        passes = inst.microbatches + 1 if per_microbatch else 2
+        allreduce = passes * (r - 1) / r * grads / bandwidth
         compute = work / (inst.speed[t] * r) + allreduce / inst.microbatches
         link = 2 * inst.cut_bytes[j] / inst.bandwidth[t] if t < s - 1 else 0.0
         k = inst.inflight[t]
@@ -88,18 +93,20 @@ def stage_costs(
 
 def held(inst: Instance, i: int, j: int, replicas: int) -> int:
     """Bytes of layers [i, j)'s weights, gradients and optimizer state on one of ``replicas``
-    devices: under ZeRO each sharded part of each layer is split evenly, rounded up; at 2 and
-    3 a tied weight, its gradient and its share of the optimizer state (by bytes, rounded
-    down) are held whole."""
+    devices: under ZeRO each sharded part of each layer is split evenly, rounded up (the
+    gradients only when reduced per micro-batch); at 2 and 3 a tied weight, its gradient
+    and its share of the optimizer state (by bytes, rounded down) are held whole."""
     total = 0
     for k in range(i, j):
         params, everything = inst.param_bytes[k], inst.weight_bytes[k]
         state = everything - 2 * params
         tied = inst.tied_bytes[k] if inst.tied_bytes and inst.zero >= 2 else 0
         tied_state = math.floor(state * tied / params) if tied else 0
-        parts = [(params - tied, 3), (params - tied, 2), (state - tied_state, 1)]
+        sharded_grads = inst.zero >= 2 and inst.reduce_scatter == "microbatch"
+        parts = [(params - tied, inst.zero >= 3), (params - tied, sharded_grads),
+                 (state - tied_state, inst.zero >= 1)]
         total += 2 * tied + tied_state
-        total += sum(math.ceil(b / (replicas if inst.zero >= z else 1)) for b, z in parts)
+        total += sum(math.ceil(b / (replicas if divided else 1)) for b, divided in parts)
     return total
 
 

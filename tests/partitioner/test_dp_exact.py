@@ -81,12 +81,13 @@ def test_replication_matches_brute_force(seed: int) -> None:
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_replication_under_zero_matches_brute_force(zero: int) -> None:
+@pytest.mark.parametrize("reduce_scatter", ["step", "microbatch"])
+def test_replication_under_zero_matches_brute_force(zero: int, reduce_scatter: str) -> None:
     # replicas divide what ZeRO shards, so caps that bind unsharded pass with more replicas
     rng = random.Random(500 + zero)
     for _ in range(25):
         inst = random_instance(rng, max_layers=6, max_stages=3, extra_devices=rng.randint(1, 3))
-        inst.zero = zero
+        inst.zero, inst.reduce_scatter = zero, reduce_scatter
         inst.weight_bytes = [2 * p + rng.randint(0, 2000) for p in inst.param_bytes]
         # some layers hold a weight another layer holds too (whole at zero 2 and 3)
         inst.tied_bytes = [rng.choice([0, 0, p // 3, p]) for p in inst.param_bytes]
@@ -108,9 +109,11 @@ def test_a_cap_too_small_for_whole_stages_fits_when_replicas_shard_them() -> Non
 def test_a_tied_weight_stays_whole_under_zero_2_and_3() -> None:
     # 4 layers of 1000 weight bytes (100 of parameters, 800 of optimizer state); layers 0 and
     # 3 share their whole weight (an embedding and its head), 2 stages on 4 devices. At zero 3
-    # on 2 replicas an untied layer holds 50 + 50 + 400 = 500, a tied one all its 1000 (the
-    # runtime keeps it out of the shards); at zero 1 the tie changes nothing: 100 + 100 + 400
-    options = dict(stages=2, devices=4, weight_bytes=[1000] * 4, param_bytes=[100] * 4)
+    # on 2 replicas, gradients reduced per micro-batch, an untied layer holds 50 + 50 + 400 =
+    # 500, a tied one all its 1000 (the runtime keeps it out of the shards); at zero 1 the tie
+    # changes nothing: 100 + 100 + 400
+    options = dict(stages=2, devices=4, weight_bytes=[1000] * 4, param_bytes=[100] * 4,
+                   reduce_scatter="microbatch")
     tied = [100, 0, 0, 100]
     for zero, per_layer in ((1, [600] * 4), (2, [1000, 550, 550, 1000]),
                             (3, [1000, 500, 500, 1000])):

@@ -58,16 +58,19 @@ def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _train_each_level(
-    rank: int, world: int, replicas: int, schedule: str = "1f1b"
+    rank: int, world: int, replicas: int, schedule: str = "1f1b",
+    reduce_scatter: str = "step", levels: tuple[int, ...] = (0, 1, 2, 3),
 ) -> dict[int, dict]:
     """Per zero level: this rank's whole parameters after the steps, the gradient norms, and
-    what it sharded (its parameters' and optimizer state's local elements)."""
+    what it sharded (its parameters' and optimizer state's local elements); at 2 and 3 the
+    gradients reduce-scattered as ``reduce_scatter`` says."""
     out = {}
-    for zero in (0, 1, 2, 3):
+    for zero in levels:
         pipe = pipetrain.Pipeline(
             mlp(), [5, 7], chunks=2, schedule=schedule, replicas=replicas, zero=zero,
             loss_fn=nn.functional.cross_entropy, optimizer=adamw, lr_scheduler=decay,
             clip_grad_norm=CLIP, timeout=60,
+            reduce_scatter=reduce_scatter if zero >= 2 else "step",
         )
         share = len(batches(1)[0][0]) // replicas
         part = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
@@ -131,6 +134,86 @@ def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_2_replicas(sch
 def test_zero_1_2_3_train_as_zero_0_and_one_process_on_2_stages_x_4_replicas(schedule):
     results = values(run_ranks(_train_each_level, 8, 4, schedule, deadline=900))
     _check(results, 4)
+
+
+def _per_microbatch_and_step(
+    rank: int, world: int, schedule: str
+) -> dict[int | str, dict]:
+    """Every level with zero 2 and 3 reduce-scattering each micro-batch, and zero 2 and 3
+    reducing once per step (keys "step 2", "step 3")."""
+    out: dict[int | str, dict] = dict(
+        _train_each_level(rank, world, 2, schedule, reduce_scatter="microbatch")
+    )
+    for zero, got in _train_each_level(rank, world, 2, schedule, levels=(2, 3)).items():
+        out[f"step {zero}"] = got
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_a_reduce_scatter_per_microbatch_trains_as_once_per_step_and_one_process(schedule):
+    """reduce_scatter="microbatch" at zero 2 and 3, 2 stages x 2 replicas (2 micro-batch
+    reductions a stage and step instead of 1; under zb-h1 one after each W): the parameters
+    of zero 0, of "step" and of one process."""
+    results = values(run_ranks(_per_microbatch_and_step, 4, schedule, deadline=400))
+    _check(results, 2)
+    for ranks in results:
+        for zero in (2, 3):
+            assert ranks[zero]["norms"] == pytest.approx(ranks[f"step {zero}"]["norms"],
+                                                         rel=1e-6)
+            for key, value in ranks[zero]["state"].items():
+                step = ranks[f"step {zero}"]["state"][key]
+                assert (value - step).abs().max().item() <= AGAINST_ZERO, (zero, key)
+
+
+def _reduced_when(rank: int, world: int) -> dict[str, list[bool]]:
+    """Per zero 2 and 3 and mode, on 2 stages x 2 replicas (1F1B, 2 micro-batches): after
+    each backward of the second step, whether stage 0's sharded gradients hold anything yet
+    (zeroed in place at the step's start, they change only when a reduce-scatter adds in)."""
+    out = {}
+    for zero in (2, 3):
+        for mode in ("step", "microbatch"):
+            pipe = pipetrain.Pipeline(
+                mlp(), [5, 7], chunks=2, replicas=2, zero=zero, reduce_scatter=mode,
+                loss_fn=nn.functional.cross_entropy, optimizer=adamw, timeout=60,
+            )
+            stage, seen = pipe.stages[0], []
+            backward = stage.backward
+            assert stage.optimizer is not None
+            # the module holds the gathered weights during a step at zero 2: the optimizer's
+            shards = [p for g in stage.optimizer.param_groups for p in g["params"]
+                      if isinstance(p, DTensor)]
+
+            def noting(*args, backward=backward, shards=shards, seen=seen):
+                found = backward(*args)
+                seen.append(any(p.grad.to_local().abs().sum().item() > 0  # the shards
+                                for p in shards if p.grad is not None))
+                return found
+
+            stage.backward = noting
+            data = batches(2)
+            _steps(pipe, data[:1])
+            seen.clear()
+            _steps(pipe, data[1:])
+            if stage.index == 0:
+                out[f"{zero} {mode}"] = list(seen)
+    return out
+
+
+def test_reduce_scatter_microbatch_reduces_at_every_backward_and_step_at_the_last():
+    results = [got for got in values(run_ranks(_reduced_when, 4, deadline=300)) if got]
+    assert len(results) == 2  # stage 0's ranks, one per replica
+    for got in results:
+        for zero in (2, 3):
+            assert got[f"{zero} step"] == [False, True], zero
+            assert got[f"{zero} microbatch"] == [True, True], zero
+
+
+def test_reduce_scatter_is_refused_where_nothing_is_reduce_scattered():
+    for zero in (0, 1):
+        with pytest.raises(ValueError, match="pass zero=2 or 3 with it"):
+            pipetrain.Pipeline(mlp(), [5, 7], zero=zero, reduce_scatter="microbatch")
+    with pytest.raises(ValueError, match="reduce_scatter must be 'step'"):
+        pipetrain.Pipeline(mlp(), [5, 7], zero=2, reduce_scatter="layer")
 
 
 def _pipeline(zero: int, balance: list[int], replicas: int, seed: int = 0) -> pipetrain.Pipeline:
