@@ -255,7 +255,9 @@ class Pipeline:
                 {id(p): stages[0] for p, stages in ties}, world.sum_over_ranks,
                 world.placement.replicas, nonfinite=config.nonfinite,
             )
-        self._inflight = InFlight(self.schedule, self.chunks, world, self.stages)
+        self._inflight = InFlight(
+            self.schedule, self.chunks, world, self.stages, config.clip_grad_norm
+        )
         recorders: list[Recorder | None] = (
             world.recorders(self.schedule, self.save_trace) if config.trace
             else [None] * len(self.transports)
