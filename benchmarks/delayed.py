@@ -41,9 +41,10 @@ Unit = tuple[object, object]  # (input, target) of one update unit
 class DelayedPipeline:
     """``model`` split by ``balance``, trained one unit per :meth:`train_step` with the lags of
     ``schedule`` and Pipeline's asynchronous options (``lr_scheduler``: stepped after each
-    stage's update, as in Pipeline). ``lags`` replaces the schedule's lags, for studies of
-    where staleness hurts (e.g. only the first stage late); the first stage's must be the
-    largest, as in every pipeline."""
+    stage's update, as in Pipeline; ``clip_grad_norm``: each stage's update clipped by that
+    stage's own gradient norm, as in Pipeline under an asynchronous schedule). ``lags`` replaces
+    the schedule's lags, for studies of where staleness hurts (e.g. only the first stage late);
+    the first stage's must be the largest, as in every pipeline."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class DelayedPipeline:
         weight_prediction: str | None = AUTO,
         delay_compensation: str | DelayCompensation | None = AUTO,
         lr_scheduler: SchedulerFactory | None = None,
+        clip_grad_norm: float | None = None,
         lags: Sequence[int] | None = None,
     ):
         if lags is None:
@@ -106,6 +108,7 @@ class DelayedPipeline:
             for s, ((offset, module), lag) in enumerate(zip(parts, lags, strict=True))
         ]
         self.lags = list(lags)
+        self.clip_grad_norm = clip_grad_norm
         self._units: dict[int, Unit] = {}  # fed, not yet backpropagated
         self._fed = 0
         self._done = 0  # units backpropagated (and updated)
@@ -157,6 +160,8 @@ class DelayedPipeline:
         """Every stage's update after the backward of the unit ``(x, y)``; a study may change
         the gradients first (benchmarks/staleness_gpt.py)."""
         for stage in self.stages:
+            if self.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(stage.module.parameters(), self.clip_grad_norm)
             stage.step()
 
     def _forward(self, s: int, unit: int) -> None:

@@ -20,7 +20,6 @@ from pipetrain.runtime.config import PipelineConfig, check_balance
 from pipetrain.runtime.cuda_graphs import pipeline_refusal, slots_needed, stage_refusal
 from pipetrain.runtime.data_parallel import Sync, tied_parameters
 from pipetrain.runtime.layers import LayerSource
-from pipetrain.runtime.placement import Placement
 from pipetrain.runtime.sharding import (
     Reduction,
     ShardedGradients,
@@ -58,28 +57,19 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def _asynchronous_refusal(
-    model: nn.Sequential, schedule: str, ties: list[Tie], placement: Placement
-) -> str:
-    """Why an asynchronous schedule refuses this pipeline: its replicas, its weights tied
-    across stages (named, with their stages), or both; and the fix of each."""
-    found, fixes = [], []
-    if placement.replicas > 1:
-        found.append(f"{placement.replicas} data-parallel replicas")
-        fixes.append("run one replica (as many processes as ranks)")
-    if ties:
-        names: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        listed = "; ".join(
-            f"{' = '.join(names[id(p)])} on stages {list(stages)}" for p, stages in ties[:3]
-        )
-        found.append(f"{len(ties)} weight(s) tied across stages ({listed})")
-        fixes.append("untie them or keep each tie's layers on one stage")
+def _asynchronous_refusal(model: nn.Sequential, schedule: str, ties: list[Tie]) -> str:
+    """Why an asynchronous schedule refuses this pipeline's weights tied across stages (named,
+    with their stages): each stage would update its copy at its own time."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    listed = "; ".join(
+        f"{' = '.join(names[id(p)])} on stages {list(stages)}" for p, stages in ties[:3]
+    )
     return (
-        f"schedule {schedule!r} does not support data-parallel replicas or weights tied across "
-        f"stages yet, and this pipeline has {' and '.join(found)}: use a synchronous schedule "
-        f"(e.g. '1f1b'), or {' and '.join(fixes)}"
+        f"schedule {schedule!r} does not support tied weights yet, and this "
+        f"pipeline has {len(ties)} weight(s) tied across stages ({listed}): use a synchronous "
+        "schedule (e.g. '1f1b'), or untie them or keep each tie's layers on one stage"
     )
 
 
@@ -116,8 +106,8 @@ def assemble(
         weight_stashing=config.weight_stashing, weight_prediction=config.weight_prediction,
         check_batches=config.check_batches, compile=config.compile, **source.settings(),
     ))
-    if schedule.asynchronous and (ties or world.placement.replicas > 1):
-        raise ValueError(_asynchronous_refusal(model, config.schedule, ties, world.placement))
+    if schedule.asynchronous and ties:
+        raise ValueError(_asynchronous_refusal(model, config.schedule, ties))
     here = sorted(s for r in world.placement.ranks for s in schedule.stages_on(r))
     if config.deferred_batch_norm:
         assign_stages(dict(enumerate(layers for _, layers in parts)), here)
@@ -143,7 +133,8 @@ def assemble(
     reduced = owned if zero < 2 else {
         s: [p for p in params if id(p) in tied] for s, params in owned.items()
     }
-    shared = world.gradient_syncs(reduced, rank_ties, _joint(ties, schedule))
+    shared = world.gradient_syncs(reduced, rank_ties, _joint(ties, schedule),
+                                  per_version=schedule.asynchronous)
     if zero == 1 and group is not None and config.optimizer is not None:
         config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
     built = []
@@ -203,7 +194,8 @@ def _build_stage(
             schedule=config.schedule,
         )
     options = StageOptions(
-        recompute_below=config.recompute_below(index), split_backward=schedule.splits_backward,
+        recompute_below=config.recompute_below(index), recompute_period=config.chunks,
+        split_backward=schedule.splits_backward,
         loss_divisor=config.loss_divisor, autocast_dtype=config.autocast_dtype, seed=seed,
         lr_scheduler=config.lr_scheduler, syncs=syncs, owned_elsewhere=owned_elsewhere,
         weight_versions=versions, track_memory=config.track_memory,

@@ -285,15 +285,20 @@ def _take_lists(lists: Schedule, values: dict[str, Any], stages: int) -> None:
 
 
 def _check_asynchronous_options(values: Mapping[str, Any], asynchronous: bool) -> None:
-    """Recomputation is refused under the asynchronous schedules, their weight options under
-    the others."""
+    """The asynchronous schedules' weight options are refused under the others; under them,
+    recomputation without stashing on a stage that updates between a micro-batch's forward and
+    backward (every stage but the last): the weights its forward read are gone by then."""
     schedule, recompute = values["schedule"], values["recompute"]
-    modes = [recompute] if recompute is None or isinstance(recompute, str) else recompute
-    if asynchronous and set(modes) - {None, "never"}:
+    modes = [recompute] if recompute is None or isinstance(recompute, str) else recompute[:-1]
+    stale = not values["weight_stashing"] and values["weight_prediction"] in (None, AUTO)
+    if asynchronous and stale and set(modes) - {None, "never"}:
         raise ValueError(
-            f"schedule {schedule!r} keeps each micro-batch's graph on the weights it read; "
-            f"activation recomputation (recompute={recompute!r}) would read the live "
-            "weights instead: use recompute='never'"
+            f"schedule {schedule!r} with weight_stashing=False keeps no copy of the weights a "
+            f"forward read, so a recomputed forward (recompute={recompute!r}) would read the "
+            "newer live weights of its backward instead: keep weight_stashing=True "
+            "(recomputation then reads the stashed version), or use recompute='never' (without "
+            "stashing a stage keeps only its inputs and recomputes at the backward anyway), or "
+            "recompute only the last stage, which updates after the backward"
         )
     if not asynchronous and (
         values["weight_prediction"] not in (None, AUTO) or not values["weight_stashing"]
@@ -317,10 +322,4 @@ def _check_step_options(values: Mapping[str, Any], asynchronous: bool) -> None:
             f"precision='fp16' needs every stage to skip the same update on an overflow, but "
             f"schedule {schedule!r} updates each stage at its own time: use precision='bf16' "
             "(no loss scaling), or a synchronous schedule such as '1f1b' with fp16"
-        )
-    if asynchronous and values["clip_grad_norm"] is not None:
-        raise ValueError(
-            f"clip_grad_norm needs the whole model's gradients of one update, but schedule "
-            f"{schedule!r} updates each stage at its own time: use a synchronous schedule "
-            "such as '1f1b' or 'interleaved' to clip, or drop clip_grad_norm"
         )

@@ -17,6 +17,12 @@ on this rank, else 0. The hooks run on the host, so a rank knows at no cost whic
 it saw; one it saw has a gradient in one process too. Only a rank that missed some reads their
 summed presence back (the one host wait, in such steps only) and drops the gradients no rank
 made (``.grad = None`` until :meth:`GradientSync.rebind`, before the next step's backwards).
+
+An asynchronous stage (schedules/asynchronous.py) updates at its own time, once per weight
+version, and drops its gradients after each update; its backwards accumulate into the stashed
+copies' gradients first (weight_source.py), so no hook on a parameter sees them arrive.
+:class:`VersionSync` averages such a stage's gradients over its replicas at the update instead:
+one all-reduce of the gradients as they stand, with the same presence entries.
 """
 
 from __future__ import annotations
@@ -175,6 +181,54 @@ class GradientSync:
             p.grad = view.zero_()
         self._dropped = []
         self._seen = set()
+
+
+class VersionSync:
+    """Average the gradients of an asynchronous stage's ``params`` over its replicas in
+    ``group`` (sum, then multiply by ``scale``) once per weight version: ``finish``, just
+    before the stage's update, reduces them whole (module docstring); ``collectives`` bounds
+    the wait by the pipeline's timeout and names a lost peer."""
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, scale: float,
+        collectives: Collectives,
+    ):
+        self.group, self.scale, self.collectives = group, scale, collectives
+        self.by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}  # one buffer per dtype
+        for p in params:
+            self.by_dtype.setdefault(p.dtype, []).append(p)
+
+    def arm(self) -> None:
+        """Nothing: the version's gradients are complete only at its update."""
+
+    def rebind(self) -> None:
+        """Nothing: the gradients are the stage's own tensors, not views of a buffer."""
+
+    def finish(self) -> None:
+        """All-reduce the gradients the version made; a parameter no replica's backward
+        reached keeps no gradient (its optimizer skips it, as in one process)."""
+        for params in self.by_dtype.values():
+            self._reduce(params)
+
+    def _reduce(self, params: list[nn.Parameter]) -> None:
+        """One flat all-reduce of ``params``' gradients (zeros where there is none here) and
+        their presence; each gradient becomes a view of the averaged buffer."""
+        here = [p.grad is not None for p in params]
+        parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                 for p in params]
+        presence = torch.tensor(here, dtype=params[0].dtype, device=params[0].device)
+        flat = torch.cat([*parts, presence])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.collectives.wait(work, "the gradient all-reduce over this stage's replicas",
+                              self.group)
+        # the presence summed over the replicas, read only where this rank missed some
+        counts = readback.wait_for(flat[-len(params):]) if not all(here) else [1] * len(params)
+        if self.scale != 1.0:
+            flat.mul_(self.scale)
+        offset = 0
+        for p, count in zip(params, counts, strict=True):
+            p.grad = flat[offset : offset + p.numel()].view_as(p) if count else None
+            offset += p.numel()
 
 
 class JointSync:

@@ -47,13 +47,20 @@ class ForwardPolicy:
 
 
 class Recompute(ForwardPolicy):
-    """Micro-batches numbered below ``below`` keep only their inputs and run their forward
-    again in the backward, replaying its random draws from ``rng``
-    (pipetrain/runtime/config.py derives ``below`` from the recomputation mode)."""
+    """Micro-batches numbered below ``below`` (their number modulo ``period``, the
+    micro-batches of a mini-batch, where one is given: an asynchronous stage numbers them on
+    across mini-batches) keep only their inputs and run their forward again in the backward,
+    replaying its random draws from ``rng`` (pipetrain/runtime/config.py derives ``below`` from
+    the recomputation mode). Under an asynchronous schedule the forward runs on the weight
+    version it read (weight_source.py), and so does its recomputation: ``work`` holds that
+    version's tensors, which stay unchanged until the micro-batch is released."""
 
-    def __init__(self, below: int, rng: StageRng):
-        self.recompute_below = below
+    def __init__(self, below: int, rng: StageRng, period: int = 0):
+        self.recompute_below, self.period = below, period
         self._rng = rng
+
+    def recomputes(self, microbatch: int) -> bool:
+        return (microbatch % self.period if self.period else microbatch) < self.recompute_below
 
     def run(
         self, microbatch: int, work: Work, value: object, target: object, start: State

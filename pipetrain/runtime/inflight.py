@@ -6,7 +6,9 @@ stay 0).
 :class:`InFlight` is also the step handler of the asynchronous lists (pipetrain/runtime/
 handler.py): their micro-batches outlive a call, so messages are numbered by global micro-batch
 (``cycle``), a call waits only for the previous call's sends and carries its own (``settle``),
-every gradient is sent (zeros where none flows), and each STEP updates its stage at once."""
+every gradient is sent (zeros where none flows), and each STEP updates its stage at once: its
+gradients averaged over its replicas first (data_parallel.VersionSync) and, with
+``clip_grad_norm``, clipped by the stage's own norm (:meth:`InFlight.update` says why)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.handler import Carry, Pending
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.update import stepped_parameters
 from pipetrain.runtime.world import SentLoss, World
 from schedules import Schedule, drain, for_call
 
@@ -31,8 +34,12 @@ class InFlight:
 
     announces_presence = False  # a gradient may arrive in a later call: zeros stand in
 
-    def __init__(self, schedule: Schedule, chunks: int, world: World, stages: Sequence[Stage]):
+    def __init__(
+        self, schedule: Schedule, chunks: int, world: World, stages: Sequence[Stage],
+        max_norm: float | None = None,
+    ):
         self.schedule, self.chunks, self.world = schedule, chunks, world
+        self.max_norm = max_norm  # clip_grad_norm: per stage (update)
         self.stages = list(stages)
         self.last = stages[-1]  # the last stage here: it reports the loss if it is the last
         self.calls = 0  # train_steps since the last flush
@@ -117,7 +124,16 @@ class InFlight:
 
     def update(self, stage: Stage) -> None:
         """STEP: the stage's update, at once (its micro-batches in flight read their own
-        weight versions)."""
+        weight versions): the version's gradients averaged over the stage's replicas, then
+        clipped to ``max_norm`` by their own norm, as ``torch.nn.utils.clip_grad_norm_`` on
+        the stage's weights. Per stage, because the stages of one version do not update at
+        the same moment: the last stage updates a mini-batch's version while the first has
+        its backwards still to run, so a norm over the whole model would stall every stage
+        until the first's backward is done, and bring back the flush the schedule removes."""
+        for sync in stage.syncs:
+            sync.finish()
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(stepped_parameters(stage), self.max_norm)
         stage.step()
 
     def drain(self) -> Schedule:

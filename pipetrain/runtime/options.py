@@ -199,7 +199,8 @@ OPTIONS: tuple[Option, ...] = (
            "optimizer", TRAINING, _lr_scheduler),
     Option("precision", "str", "fp32", '"fp32" (default), "bf16" or "fp16"', STEP, _precision),
     Option("clip_grad_norm", "float | None", None,
-           "clip by the norm of the whole model's gradients", STEP, _clip_grad_norm),
+           "clip by the norm of the whole model's gradients (asynchronous: each stage's)",
+           STEP, _clip_grad_norm),
     Option("nonfinite", "str", "skip",
            'synchronous schedules: "skip" (default) skips a step whose loss or gradients are '
            "not finite on any stage", STEP, _nonfinite),

@@ -51,7 +51,8 @@ class Pipeline:
 
     Without ``devices`` this process is one rank of a torchrun job of ``stages x replicas``
     ranks: replica k's stage s is rank k * stages + s, and each stage's replicas average their
-    gradients before every optimizer step. With ``devices`` every stage runs here as a thread,
+    gradients before every optimizer step (under an asynchronous schedule, once per weight
+    version, just before the stage's update). With ``devices`` every stage runs here as a thread,
     stage s on ``devices[s]``. Both run the same schedule and train like one process would.
     Weights shared by layers on different stages stay identical: their gradients are summed
     across those stages. Each stage draws its random numbers (dropout) from a stream of its
@@ -96,9 +97,11 @@ class Pipeline:
         recompute: activation recomputation, "never", "except_last" or "always" (torchgpipe's
             modes), one for every stage or a list of one per stage (as a plan made under a
             memory cap may choose). Default: the plan's, else the schedule's entry
-            ("except_last" under "gpipe", else "never"; "never" with ``cuda_graphs``). The
-            asynchronous schedules refuse recomputation. Its old name ``checkpoint`` still
-            works for one release, with a FutureWarning.
+            ("except_last" under "gpipe", else "never"; "never" with ``cuda_graphs``). Under
+            the asynchronous schedules the recomputed forward reads the weight version its
+            forward read (the stashed or predicted copy); without stashing, recomputation is
+            refused on every stage but the last. Its old name ``checkpoint`` still works for
+            one release, with a FutureWarning.
         loss_fn: ``loss_fn(output, target)``, a scalar, on the last stage; the step's loss is
             its mean over the micro-batches. Without it (or ``optimizer``) the pipeline
             evaluates, and ``train_step`` refuses to run.
@@ -112,6 +115,11 @@ class Pipeline:
             whose overflow check every rank agrees on (pipetrain/training/precision.py).
         clip_grad_norm: clip by the norm of the whole model's gradients, as
             ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/runtime/update.py).
+            Under the asynchronous schedules, per stage: each update's gradients (averaged over
+            the replicas) are clipped by that stage's own norm, so the whole model's norm is at
+            most ``clip_grad_norm * sqrt(stages)``; the stages of one version update at
+            different moments, and a norm over all of them would stall the pipeline
+            (pipetrain/runtime/inflight.py).
         nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
             gradients are not finite on any stage, on every rank, leaving the weights, the
             optimizer state and the learning-rate schedule as they were, with a warning naming
@@ -261,7 +269,9 @@ class Pipeline:
                 {id(p): stages[0] for p, stages in ties}, world.sum_over_ranks,
                 world.placement.replicas, nonfinite=config.nonfinite,
             )
-        self._inflight = InFlight(self.schedule, self.chunks, world, self.stages)
+        self._inflight = InFlight(
+            self.schedule, self.chunks, world, self.stages, config.clip_grad_norm
+        )
         recorders: list[Recorder | None] = (
             world.recorders(self.schedule, self.save_trace) if config.trace
             else [None] * len(self.transports)

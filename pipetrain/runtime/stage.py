@@ -50,14 +50,17 @@ class StageOptions:
 
     Training micro-batches numbered below ``recompute_below`` keep only their inputs and
     recompute their forward in the backward (pipetrain/runtime/config.py derives it from the
-    recomputation mode); ``split_backward``: the schedule has W passes. On the last stage the
-    backward starts from the loss scale over ``loss_divisor`` (the micro-batches of one
-    update). ``autocast_dtype`` is the stage's mixed precision (None: fp32). ``seed`` starts
-    the stage's random stream (pipetrain/runtime/rng.py); by default one drawn from the global
-    generator. ``lr_scheduler`` makes each optimizer's learning-rate schedule; ``syncs``
-    all-reduce gradients before each optimizer step (their parameters must already be on the
-    stage's device); ``owned_elsewhere`` are the ids of weights another stage of this process
-    steps. ``weight_versions`` makes the stage asynchronous (pipetrain/training/weights.py).
+    recomputation mode); with ``recompute_period`` (the micro-batches of a mini-batch) the
+    number compared is a micro-batch's place in its mini-batch, for asynchronous stages, which
+    number micro-batches on across mini-batches; ``split_backward``: the schedule has W passes.
+    On the last stage the backward starts from the loss scale over ``loss_divisor`` (the
+    micro-batches of one update). ``autocast_dtype`` is the stage's mixed precision (None:
+    fp32). ``seed`` starts the stage's random stream (pipetrain/runtime/rng.py); by default one
+    drawn from the global generator. ``lr_scheduler`` makes each optimizer's learning-rate
+    schedule; ``syncs`` all-reduce gradients before each optimizer step (their parameters must
+    already be on the stage's device); ``owned_elsewhere`` are the ids of weights another stage
+    of this process steps. ``weight_versions`` makes the stage asynchronous
+    (pipetrain/training/weights.py).
     ``track_memory`` counts the bytes the stage saves for backward (``stage.ledger``).
     ``weight_leaves`` gives what W differentiates for the stage's weights (ZeRO 2 and 3: the
     gathered parameters FSDP2 swapped in, sharding.py); None: the weights themselves.
@@ -68,6 +71,7 @@ class StageOptions:
     """
 
     recompute_below: int = 0
+    recompute_period: int = 0  # 0: the numbers are a mini-batch's own
     split_backward: bool = False
     loss_divisor: int = 1
     autocast_dtype: torch.dtype | None = None
@@ -138,7 +142,8 @@ class Stage:
             whole=o.compile,
         )
         self._policy: ForwardPolicy = (
-            Recompute(o.recompute_below, self.rng) if o.recompute_below else ForwardPolicy()
+            Recompute(o.recompute_below, self.rng, o.recompute_period) if o.recompute_below
+            else ForwardPolicy()
         )
         self._source: LiveWeights | VersionedWeights = LiveWeights(self._slice)
         if o.weight_versions is not None:  # asynchronous: which weights each micro-batch reads

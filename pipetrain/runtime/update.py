@@ -75,7 +75,7 @@ def learning_rate(stages: Sequence[Stage]) -> float | torch.Tensor | None:
     return None
 
 
-def _stepped(stage: Stage) -> list[nn.Parameter]:
+def stepped_parameters(stage: Stage) -> list[nn.Parameter]:
     """The parameters ``stage``'s optimizer steps."""
     if stage.optimizer is None:
         return []
@@ -125,7 +125,7 @@ class Update(WithinCall):
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         # found_inf as the host decided it (0.0, 1.0), for the loss scale's update
         self._flags = torch.tensor([0.0, 1.0], device=self.device).unbind()
-        self._stepped = [_stepped(s) for s in self.stages]
+        self._stepped = [stepped_parameters(s) for s in self.stages]
         ties = first_user or {}
         self._counted = [
             [p for p in params if ties.get(id(p), s.index) == s.index]

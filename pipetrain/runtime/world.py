@@ -26,7 +26,7 @@ from pipetrain.errors import PeerError
 from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
 from pipetrain.runtime.collectives import Collectives, rank_names
-from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync
+from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync, VersionSync
 from pipetrain.runtime.distributed import local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
@@ -107,11 +107,14 @@ class World(ABC):
 
     @abstractmethod
     def gradient_syncs(
-        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]],
+        per_version: bool = False,
     ) -> dict[int, list[Sync]]:
         """Per stage here (``owned``: the parameters each steps), the all-reduces it runs
         before each optimizer step. ``joint``: the sets of ranks whose shared weights some rank
-        holds on several of its stages (their reduction waits for all of them)."""
+        holds on several of its stages (their reduction waits for all of them).
+        ``per_version``: asynchronous stages, whose replicas reduce at each update
+        (data_parallel.VersionSync)."""
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The group of this rank's copies in every replica (None: one replica); ZeRO shards
@@ -219,7 +222,8 @@ class ThreadWorld(World):
         """One process built every stage: nothing to compare."""
 
     def gradient_syncs(
-        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]],
+        per_version: bool = False,
     ) -> dict[int, list[Sync]]:
         return {s: [] for s in owned}
 
@@ -331,10 +335,12 @@ class ProcessWorld(World):
         return self.collectives if self.groups.replicas is not None else None
 
     def gradient_syncs(
-        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]]
+        self, owned: Mapping[int, list[nn.Parameter]], ties: RankTies, joint: Set[tuple[int, ...]],
+        per_version: bool = False,
     ) -> dict[int, list[Sync]]:
         """One all-reduce per set of ranks sharing weights (summed over those ranks, averaged
-        over replicas), one over replicas for each stage's other weights. A set's weights are
+        over replicas), one over replicas for each stage's other weights (``per_version``: at
+        each update, VersionSync; else overlapping the backward, GradientSync). A set's weights are
         reduced in the order of ``ties``, the same on every rank; where a rank holds them on
         several stages (``joint``), once, when the last of those stages finishes its backward:
         per stage, the ranks would meet in different orders."""
@@ -358,8 +364,8 @@ class ProcessWorld(World):
         for s, params in owned.items():
             rest = [p for p in params if len(ranks_of.get(id(p), ())) < 2]
             if self.groups.replicas is not None and rest:
-                syncs[s].append(GradientSync(rest, self.groups.replicas, scale,
-                                               self.collectives))
+                reduce = VersionSync if per_version else GradientSync
+                syncs[s].append(reduce(rest, self.groups.replicas, scale, self.collectives))
         return syncs
 
     def run(

@@ -6,6 +6,8 @@ DelayedPipeline, equal up to rounding)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -40,20 +42,33 @@ def test_delayed_pipeline_equals_the_pipeline(name, schedule):
         loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name],
     )
     losses = [float(pipe.train_step(x, y)) for x, y in data]
-    delayed = DelayedPipeline(mlp(), BALANCE, schedule=schedule,
-                              loss_fn=nn.functional.cross_entropy, optimizer=sgd, **CONFIGS[name])
-    micro = schedule == "pipedream"
-    for x, y in data:
-        for k in range(0, len(x), len(x) // CHUNKS) if micro else [0]:
-            end = k + len(x) // CHUNKS if micro else len(x)
-            delayed.train_step(x[k:end], y[k:end])
+    delayed, per_step = delayed_run(mlp(), BALANCE, schedule, data, CHUNKS, optimizer=sgd,
+                                    **CONFIGS[name])
     expected = pipe.eval_step(data[0][0])
     assert (delayed.eval_step(data[0][0]) - expected).abs().max().item() <= 1e-5  # type: ignore[operator]
     for key, value in pipe.module.state_dict().items():
         assert (delayed.module.state_dict()[key] - value).abs().max().item() <= 1e-5, key
-    per_step = [sum(delayed.losses[i : i + CHUNKS]) / CHUNKS
-                for i in range(0, len(delayed.losses), CHUNKS)] if micro else delayed.losses
     assert per_step == pytest.approx(losses, abs=1e-5)
+
+
+def delayed_run(
+    model: nn.Sequential, balance: list[int], schedule: str, data: list, chunks: int,
+    **options: Any,
+) -> tuple[DelayedPipeline, list[float]]:
+    """``data``'s mini-batches fed to a DelayedPipeline of ``schedule`` as Pipeline feeds them
+    (PipeDream: its ``chunks`` micro-batches, a unit each; 2BW: the mini-batch, one unit),
+    flushed; with each mini-batch's mean loss, as Pipeline.train_step returns it."""
+    delayed = DelayedPipeline(model, balance, schedule=schedule,
+                              loss_fn=nn.functional.cross_entropy, **options)
+    micro = schedule == "pipedream"
+    for x, y in data:
+        for k in range(0, len(x), len(x) // chunks) if micro else [0]:
+            end = k + len(x) // chunks if micro else len(x)
+            delayed.train_step(x[k:end], y[k:end])
+    delayed.flush()
+    per_step = [sum(delayed.losses[i : i + chunks]) / chunks
+                for i in range(0, len(delayed.losses), chunks)] if micro else delayed.losses
+    return delayed, per_step
 
 
 def test_synchronous_schedule_is_plain_training():
