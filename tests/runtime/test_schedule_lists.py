@@ -12,18 +12,7 @@ from torch import nn
 import pipetrain
 from schedules import Schedule, build, from_csv, lookup, to_csv
 from tests.runtime.harness import run_ranks, values
-
-MICROBATCHES = 4
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)])
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+from tests.runtime.test_csv_in_torch import MICROBATCHES, _data, _model  # the same MLP and batch
 
 
 def _ranks(name: str) -> int:
