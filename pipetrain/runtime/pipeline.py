@@ -113,13 +113,13 @@ class Pipeline:
         precision: "fp32" (default), "bf16" or "fp16": each stage runs under autocast and
             sends activations in that dtype; "fp16" adds a dynamic loss scale (``scaler``)
             whose overflow check every rank agrees on (pipetrain/training/precision.py).
-        clip_grad_norm: clip by the norm of the whole model's gradients, as
-            ``torch.nn.utils.clip_grad_norm_`` would in one process (pipetrain/runtime/update.py).
-            Under the asynchronous schedules, per stage: each update's gradients (averaged over
-            the replicas) are clipped by that stage's own norm, so the whole model's norm is at
-            most ``clip_grad_norm * sqrt(stages)``; the stages of one version update at
-            different moments, and a norm over all of them would stall the pipeline
-            (pipetrain/runtime/inflight.py).
+        clip_grad_norm: clip by the norm of the whole model's gradients (asynchronous: each
+            stage's), as ``torch.nn.utils.clip_grad_norm_`` would in one process
+            (pipetrain/runtime/update.py). Under the asynchronous schedules, per stage: each
+            update's gradients (averaged over the replicas) are clipped by that stage's own
+            norm, so the whole model's norm is at most ``clip_grad_norm * sqrt(stages)``; the
+            stages of one version update at different moments, and a norm over all of them
+            would stall the pipeline (pipetrain/runtime/inflight.py).
         nonfinite: synchronous schedules: "skip" (default) skips a step whose loss or
             gradients are not finite on any stage, on every rank, leaving the weights, the
             optimizer state and the learning-rate schedule as they were, with a warning naming

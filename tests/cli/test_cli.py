@@ -151,7 +151,8 @@ def test_a_cap_that_replicas_meet_only_by_sharding_is_planned_under_zero(
     assert run(f"{args} --memory {whole - 1}", capsys)[0] == 2
     code, out, err = run(f"{args} --memory {whole - 1} --zero 3 -o {tmp_path / 'p.json'}", capsys)
     assert code == 0, err
-    assert "train with Pipeline(..., zero=3)" in out
+    assert "train with Pipeline(..., zero=3, reduce_scatter=" in out
+    assert f"reduce_scatter: {Plan.load(tmp_path / 'p.json').reduce_scatter} (" in out
     planned = Plan.load(tmp_path / "p.json")
     assert max(s.memory_bytes for s in planned.per_stage) < whole
     assert any(len(s.ranks) > 1 for s in planned.per_stage)
@@ -283,7 +284,9 @@ def test_a_tied_weight_is_profiled_and_planned_whole_under_zero_3(tmp_path, caps
     profile = Profile.load(path)
     token = 64 * 16 * 4  # the tied weight's fp32 bytes
     assert [layer.tied_bytes for layer in profile.layers] == [token, 0, 0, token]
-    problem = problem_from_profile(profile, stages=2, microbatches=4, devices=4, zero=3)
+    # gradients reduced per micro-batch: sharded like the weights and the state
+    problem = problem_from_profile(profile, stages=2, microbatches=4, devices=4, zero=3,
+                                   reduce_scatter="microbatch")
     held = held_weight_bytes(problem, 2)
     for at in (0, -1):  # the position embedding, the head's norm: divided by 2 replicas
         rest = profile.layers[at].param_bytes - token
