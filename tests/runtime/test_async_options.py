@@ -4,7 +4,8 @@ against what its definition says, computed in one process:
 * replicas: each stage's replicas average their gradients once per weight version, just before
   the stage's update, so 2 stages x 2 replicas (4 gloo processes) train as one process training
   the same delayed updates (DelayedPipeline) on the whole batch, each replica's micro-batch k
-  a share of the rows of the whole batch's micro-batch k;
+  a share of the rows of the whole batch's micro-batch k; a weight only some replicas' backwards
+  reached is averaged as in one process, one that none reached keeps no gradient;
 * recomputation: the backward recomputes the forward on the weight version the forward read
   (the stashed or predicted copy), so a recomputed run equals the plain one, in threads and in
   2 gloo processes (dropout replayed too); without stashing it is refused where the weights
@@ -27,6 +28,8 @@ import torch
 from torch import nn
 
 import pipetrain
+from pipetrain.runtime.collectives import Collectives
+from pipetrain.runtime.data_parallel import VersionSync
 from tests.benchmarks.test_delayed import delayed_run
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp, sgd
@@ -182,3 +185,22 @@ def test_replicas_average_each_version_as_one_process_on_the_whole_batch():
 @pytest.mark.slow
 def test_replicas_of_every_asynchronous_schedule_as_one_process():
     _replicas_equal_one_process(list(REPLICATED))
+
+
+def _version_sync(rank: int, world: int) -> list:
+    group = torch.distributed.new_group(list(range(world)))
+    both, one, none = (nn.Parameter(torch.zeros(3)) for _ in range(3))
+    other = nn.Parameter(torch.zeros(2, dtype=torch.float64))  # a buffer of its own dtype
+    both.grad = torch.full((3,), float(rank + 1))
+    one.grad = torch.ones(3) if rank == 0 else None  # only replica 0's backward reached it
+    other.grad = torch.full((2,), 4.0 * rank, dtype=torch.float64)
+    collectives = Collectives(None, {}, 30)  # type: ignore[arg-type]  # no failure to name
+    VersionSync([both, one, none, other], group, 1 / world, collectives).finish()
+    return [None if p.grad is None else p.grad.tolist() for p in (both, one, none, other)]
+
+
+def test_a_version_sync_averages_and_keeps_no_gradient_no_replica_made():
+    """As one process on both replicas' rows: a weight one replica's backward reached gets
+    half its gradient on both, one that none reached keeps None (its optimizer skips it)."""
+    for got in values(run_ranks(_version_sync, 2, deadline=60)):
+        assert got == [[1.5] * 3, [0.5] * 3, None, [2.0] * 2]
