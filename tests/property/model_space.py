@@ -343,6 +343,7 @@ class Case:
     dotted: bool = False  # layers keyed "layers.i"
     replicas: int = 1  # data-parallel replicas of each stage (ranks x replicas processes)
     zero: int = 0
+    reduce_scatter: str = "step"  # at zero 2/3: once per mini-batch, or "microbatch"
 
     def stages(self) -> list[range]:
         """Each stage's layer positions."""
@@ -432,6 +433,7 @@ def train_pipeline(case: Case, devices: bool = True, timeout: float = 30.0) -> d
         recompute=list(case.checkpoint), loss_fn=loss_fn,
         optimizer=make_optimizer(case.optimizer), clip_grad_norm=case.clip,
         deferred_batch_norm=True, timeout=timeout, replicas=case.replicas, zero=case.zero,
+        reduce_scatter=case.reduce_scatter,
         devices=["cpu"] * case.ranks if devices else None,
     )
     share = BATCH // case.replicas  # this replica's rows of each mini-batch

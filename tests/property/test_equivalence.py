@@ -163,7 +163,8 @@ def process_sample(count: int, zero: bool = False) -> list[tuple[Case, dict[str,
     """``count`` 2-rank cases from fixed seeds (every other one with dotted layer names), with
     plain training's result; cases plain training or the pipeline refuses (a BatchNorm used on
     two ranks) are passed over. ``zero``: each stage on REPLICAS replicas at ZeRO 2 or 3 (in
-    turn), without what varies per replica, with micro-batches that split each replica's rows."""
+    turn, reduce-scattering once per step or per micro-batch), without what varies per replica,
+    with micro-batches that split each replica's rows."""
     sample: list[tuple[Case, dict[str, Any]]] = []
     seed = ZERO_SEED if zero else SAMPLE_SEED
     while len(sample) < count:
@@ -171,7 +172,9 @@ def process_sample(count: int, zero: bool = False) -> list[tuple[Case, dict[str,
                           leave_out=REPLICA_VARIES if zero else frozenset())
         case = dataclasses.replace(drawn, dotted=bool(seed % 2))
         if zero:
-            case = dataclasses.replace(case, replicas=REPLICAS, zero=2 + len(sample) % 2)
+            case = dataclasses.replace(  # each level with each reduce-scatter, in turn
+                case, replicas=REPLICAS, zero=2 + len(sample) % 2,
+                reduce_scatter=("step", "microbatch")[len(sample) // 2 % 2])
         seed += 1
         if norm_across_ranks(case) or (BATCH // case.replicas) % case.chunks:
             continue
