@@ -504,6 +504,7 @@ def test_train_refuses_before_starting_processes(task_plan, capsys, extra, messa
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # three torchrun runs; test_train_gpt.py refuses a second run fast
 def test_train_never_deletes_an_earlier_runs_checkpoints(task_plan, tmp_path, capsys):
     """The README's `pipetrain train ... --steps 40`, then `--steps 10` in the same folder:
     refused before any process starts (the step-40 checkpoint stays); with --fresh a new run

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("bf16, gpipe", "bf16, 1f1b", "fp32, gpipe", "fp32, 1f1b")
 
 
+@pytest.mark.slow  # the benchmark's whole path, four fresh runs
 def test_smoke_prints_every_row_and_the_libraries_agree(tmp_path):
     out = tmp_path / "gpu_step.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -18,6 +18,9 @@ from tests.hf.models import VOCAB, batch, transformers
 
 auto = transformers.models.auto
 CLASSES = dict(auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+FAST = ("deepseek_v3", "gemma3_text", "gpt2", "gpt_neox", "llama", "mixtral", "qwen2_moe")
+"""The classes the fast profile checks, one of each kind: dense, tied head, a head saved under
+another name, fused experts, a scaled embedding, latent attention; ``-m sweep`` (CI) checks all."""
 MAX_PARAMS = 2_000_000  # what is left large (sub-models, odd names) is skipped, not built
 # the usual names of a config's sizes, each set where the config has it
 TINY = dict(
@@ -32,6 +35,11 @@ TINY = dict(
     vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=0, ffn_hidden_size=64, n_inner=64,
     ffn_dim=64,
 )
+
+
+def sweep(keys: Any) -> list[Any]:
+    """``keys`` sorted as test parameters, those outside FAST marked ``sweep``."""
+    return [pytest.param(k, marks=() if k in FAST else pytest.mark.sweep) for k in sorted(keys)]
 
 
 def tiny(key: str) -> Any:
@@ -110,7 +118,7 @@ def verdict(key: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("key", sorted(CLASSES))
+@pytest.mark.parametrize("key", sweep(CLASSES))
 def test_each_causal_lm_is_accepted_exactly_or_refused_naming_why(key: str) -> None:
     result = verdict(key)
     assert result == "accepted" or len(result) > len("refused: ") + 20

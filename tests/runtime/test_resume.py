@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.runtime.harness import free_port
@@ -30,6 +31,7 @@ def torchrun(tmp: Path, name: str, *extra: str) -> tuple[dict, str]:
     return state, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # three torchrun starts: 40 s; tests/runtime/test_checkpoint.py resumes fast
 def test_killed_rank_resumes_bit_exact(tmp_path):
     killed, log = torchrun(tmp_path, "killed", "--kill-after", "6")
     assert "attempt 1 from step 6" in log, log  # restarted, resumed from step 6's checkpoint
