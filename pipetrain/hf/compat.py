@@ -1,0 +1,173 @@
+"""What differs between the transformers releases pipetrain.hf supports (4.56 through 5.x).
+
+Each shim names the release that needs it; the rest of pipetrain/hf calls these and never asks
+for a version. Where a release cannot do what pipetrain needs, the shim refuses it, naming the
+release that can.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+NEWER = "transformers>=5.20"  # what a refusal here asks for: the oldest 5.x that CI runs
+
+
+def version() -> str:
+    """The installed transformers' version."""
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def converts_checkpoints() -> bool:
+    """Whether transformers converts a checkpoint's tensors as it loads one (5.x:
+    ``transformers.conversion_mapping``); 4.56 only renames keys (:func:`renamed_keys`)."""
+    return importlib.util.find_spec("transformers.conversion_mapping") is not None
+
+
+def renamed_keys(model: Any, keys: list[str]) -> dict[str, str]:
+    """4.56 (no conversion mapping): each checkpoint key as the model's key, renamed as 4.56's
+    ``from_pretrained`` renames it (``_get_key_renaming_mapping``: legacy names, the base
+    model's prefix added to a base model's checkpoint, a VLM class's key mapping)."""
+    from transformers.modeling_utils import VLMS
+
+    prefix = model.base_model_prefix
+    has_prefix = bool(prefix) and any(k.startswith(prefix) for k in keys)
+    expects_prefix = bool(prefix) and hasattr(model, prefix)
+    vlm = any(name in c.__name__.lower() for c in type(model).__mro__[:-1] for name in VLMS)
+    mapping = model._get_key_renaming_mapping(
+        keys, model._checkpoint_conversion_mapping if vlm else None,
+        has_prefix and not expects_prefix, expects_prefix and not has_prefix)
+    return {key: mapping.get(key, key) for key in keys}
+
+
+def keys_on_save(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """4.56 (no conversion mapping): ``state`` under the keys 4.56's ``save_pretrained``
+    writes (``_fix_state_dict_keys_on_save``; a VLM's key mapping reversed)."""
+    from transformers.modeling_utils import VLMS
+
+    saved = dict(model._fix_state_dict_keys_on_save(dict(state)))
+    if not any(name in c.__name__.lower() for c in type(model).__mro__[:-1] for name in VLMS):
+        return saved
+    back = {v: re.sub(r"\(.*\)", "", k.lstrip("^"))
+            for k, v in model._checkpoint_conversion_mapping.items()}
+    renamed = {}
+    for key, tensor in saved.items():
+        for pattern, replacement in back.items():
+            key, count = re.subn(pattern, replacement, key)
+            if count:
+                break
+        renamed[key] = tensor
+    return renamed
+
+
+def rotary_on_meta(rotary: nn.Module, hidden: torch.Tensor, *rest: Any) -> Any:
+    """4.56: rotary modules run under ``torch.autocast`` of their input's device type, which
+    the meta device lacks; on meta the cos/sin (shapes only) are computed on the CPU from
+    empty inputs of the same shapes and returned as meta tensors."""
+    cpu = [torch.zeros_like(r, device="cpu") if isinstance(r, torch.Tensor) else r
+           for r in rest]
+    made = rotary.to("cpu")(torch.empty_like(hidden, device="cpu"), *cpu)
+    return tuple(t.to("meta") for t in made)
+
+
+def meta_refusal(block: nn.Module, error: Exception) -> TypeError:
+    """4.56: mixtures of experts route tokens by value (``nonzero``, an expert picked by a
+    tensor's value), which the meta device cannot run; 5.x's grouped experts run there. The
+    error to raise for ``block`` failing so on meta (``error``)."""
+    return TypeError(
+        f"{type(block).__name__} cannot run on the meta device with transformers {version()} "
+        f"({type(error).__name__}: {error!s:.120}): its experts route tokens by value; "
+        f"profile it without --meta, or install {NEWER}"
+    )
+
+
+class _Writes(TorchDispatchMode):
+    """The storages that in-place operations write while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for argument, value in zip(func._schema.arguments, args, strict=False):
+            info = argument.alias_info
+            if info is not None and info.is_write and isinstance(value, torch.Tensor):
+                self.written.add(value.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+def init_weights(model: Any, module: nn.Module) -> None:
+    """``model._init_weights(module)``, each tensor it writes counted as written (its version
+    raised). 4.56's rules write through ``tensor.data``, which leaves the tensor's version as
+    it was, so pipetrain would take the tensor for one the rule left unwritten."""
+    with _Writes() as writes:
+        model._init_weights(module)
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        if not tensor.is_meta and tensor.untyped_storage().data_ptr() in writes.written:
+            torch.autograd.graph.increment_version(tensor)
+
+
+# 4.56: flags a block's forward takes whose defaults are what the pipeline runs (Qwen2-MoE's
+# output_router_logits, False: no auxiliary loss, as the model's default)
+BLOCK_FLAGS = frozenset({"output_router_logits"})
+
+
+def base_model(model: Any) -> nn.Module:
+    """``model``'s base model: ``model.base_model``, or, where its ``base_model_prefix`` names
+    no child (4.56's Gemma3ForCausalLM: "language_model", holding it as ``model``), its one
+    child that is a transformers model."""
+    from transformers import PreTrainedModel
+
+    found: nn.Module = model.base_model
+    if found is model:
+        models = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+        found = models[0] if len(models) == 1 else model
+    return found
+
+
+def block_parameters(block: nn.Module) -> frozenset[str] | None:
+    """The keywords ``block``'s forward takes, None where it takes any (4.56: GPT-Neo's blocks
+    take no ``position_ids``; their positions are added with the embedding)."""
+    parameters = inspect.signature(type(block).forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
+
+
+# 4.56: Gemma 3's blocks take a global and a local rotary table, both made by the base model
+# (5.x: one table per layer type, which pipetrain makes per block)
+_TWO_TABLES = ("position_embeddings_global", "position_embeddings_local")
+
+
+def refusal(model: Any, base: nn.Module, blocks: nn.ModuleList) -> TypeError | None:
+    """The error for a model that this transformers lays out where pipetrain cannot cut it,
+    and a newer one does not; None where there is none. 4.56's Gemma scales its embeddings in
+    the base model's forward, outside the modules (5.x: in the embedding module); 4.56's
+    Gemma 3 blocks take rotary tables made outside them (``_TWO_TABLES``)."""
+    why = None
+    try:
+        scales = "normalizer" in inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        scales = False
+    if scales:
+        why = "its base model's forward scales the embeddings outside the modules"
+    elif any(name in inspect.signature(type(b).forward).parameters
+             for b in blocks for name in _TWO_TABLES):
+        why = f"its blocks take {', '.join(_TWO_TABLES)}, made by the base model's forward"
+    if why is None:
+        return None
+    return TypeError(f"{type(model).__name__} with transformers {version()}: {why}, which "
+                     f"pipetrain.hf.sequential does not reproduce; install {NEWER}")
