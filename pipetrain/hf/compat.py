@@ -171,3 +171,25 @@ def refusal(model: Any, base: nn.Module, blocks: nn.ModuleList) -> TypeError | N
         return None
     return TypeError(f"{type(model).__name__} with transformers {version()}: {why}, which "
                      f"pipetrain.hf.sequential does not reproduce; install {NEWER}")
+
+
+def rebuild_buffers(config: Any, blocks: nn.ModuleList) -> None:
+    """4.56: GPT-2's and GPT-Neo's attention make their causal-mask buffers in ``__init__``
+    (Qwen2-MoE's attention a rotary table of its own), outside the state_dict, and no
+    ``_init_weights`` rule makes them; on a meta model each block's are taken from a block of
+    its class built on the CPU as its base model builds it, ``(config, layer index)``. A block
+    that cannot be built so keeps them meta (pipetrain then names them)."""
+    for index, block in enumerate(blocks):
+        metas = [name for name, tensor in block.named_buffers() if tensor.is_meta
+                 and name.rpartition(".")[2] in block.get_submodule(
+                     name.rpartition(".")[0])._non_persistent_buffers_set]
+        if not metas:
+            continue
+        try:
+            with torch.device("cpu"):
+                fresh = dict(type(block)(config, index).named_buffers())
+        except TypeError:
+            continue
+        for name in metas:
+            owner, _, leaf = name.rpartition(".")
+            block.get_submodule(owner)._buffers[leaf] = fresh[name]

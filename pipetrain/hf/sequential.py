@@ -101,6 +101,7 @@ def sequential(model: Any) -> CausalLMLayers:
     made = keyed(CausalLMLayers, layers)
     made.checkpoint_layout = HubLayout(model)
     _make_unsaved(model, made)
+    compat.rebuild_buffers(base.config, blocks)
     return made
 
 
@@ -148,10 +149,11 @@ def _refuse_block_inputs(blocks: nn.ModuleList) -> None:
     """Refuse blocks whose forward takes inputs beyond those :class:`Block` gives (Gemma 3n
     and 4: per-layer inputs and key/value states shared across layers, which the base model
     computes outside the blocks and the stage boundary does not carry)."""
+    carried = _CARRIED | compat.BLOCK_FLAGS
     for block in blocks:
         signature = inspect.signature(type(block).forward)
         extra = [n for n, p in signature.parameters.items()
-                 if n not in _CARRIED | compat.BLOCK_FLAGS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+                 if n not in carried and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         if extra:
             raise TypeError(
                 f"{type(block).__name__} (a block) takes {', '.join(extra)}: inputs its model "
