@@ -37,25 +37,29 @@ def renamed_keys(model: Any, keys: list[str]) -> dict[str, str]:
     """4.56 (no conversion mapping): each checkpoint key as the model's key, renamed as 4.56's
     ``from_pretrained`` renames it (``_get_key_renaming_mapping``: legacy names, the base
     model's prefix added to a base model's checkpoint, a VLM class's key mapping)."""
-    from transformers.modeling_utils import VLMS
-
     prefix = model.base_model_prefix
     has_prefix = bool(prefix) and any(k.startswith(prefix) for k in keys)
     expects_prefix = bool(prefix) and hasattr(model, prefix)
-    vlm = any(name in c.__name__.lower() for c in type(model).__mro__[:-1] for name in VLMS)
     mapping = model._get_key_renaming_mapping(
-        keys, model._checkpoint_conversion_mapping if vlm else None,
+        keys, model._checkpoint_conversion_mapping if _vlm(model) else None,
         has_prefix and not expects_prefix, expects_prefix and not has_prefix)
     return {key: mapping.get(key, key) for key in keys}
+
+
+def _vlm(model: Any) -> bool:
+    """4.56: whether ``from_pretrained`` and ``save_pretrained`` apply ``model``'s class key
+    mapping (``_checkpoint_conversion_mapping``): a class named as one of its VLMS."""
+    from transformers import modeling_utils
+
+    names = getattr(modeling_utils, "VLMS", ())
+    return any(name in c.__name__.lower() for c in type(model).__mro__[:-1] for name in names)
 
 
 def keys_on_save(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """4.56 (no conversion mapping): ``state`` under the keys 4.56's ``save_pretrained``
     writes (``_fix_state_dict_keys_on_save``; a VLM's key mapping reversed)."""
-    from transformers.modeling_utils import VLMS
-
     saved = dict(model._fix_state_dict_keys_on_save(dict(state)))
-    if not any(name in c.__name__.lower() for c in type(model).__mro__[:-1] for name in VLMS):
+    if not _vlm(model):
         return saved
     back = {v: re.sub(r"\(.*\)", "", k.lstrip("^"))
             for k, v in model._checkpoint_conversion_mapping.items()}
@@ -94,7 +98,7 @@ class _Writes(TorchDispatchMode):
     """The storages that in-place operations write while it is on."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.written: set[int] = set()
 
     def __torch_dispatch__(

@@ -38,8 +38,8 @@ class HubLayout:
         a converter takes are one group, with the targets that converting them on the meta
         device gives."""
         if not compat.converts_checkpoints():
-            renamed = compat.renamed_keys(self.model, list(index))
-            return [Group({key: index[key]}, {renamed[key]: index[key]}) for key in index]
+            names = compat.renamed_keys(self.model, list(index))
+            return [Group({key: index[key]}, {names[key]: index[key]}) for key in index]
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,
