@@ -27,6 +27,12 @@ def version() -> str:
     return str(transformers.__version__)
 
 
+def before_5() -> bool:
+    """Whether the installed transformers is a 4.x release (4.56), which the shims below
+    marked 4.56 are for; on 5.x they change nothing."""
+    return int(version().split(".")[0]) < 5
+
+
 def converts_checkpoints() -> bool:
     """Whether transformers converts a checkpoint's tensors as it loads one (5.x:
     ``transformers.conversion_mapping``); 4.56 only renames keys (:func:`renamed_keys`)."""
@@ -83,10 +89,13 @@ def rotary_on_meta(rotary: nn.Module, hidden: torch.Tensor, *rest: Any) -> Any:
     return tuple(t.to("meta") for t in made)
 
 
-def meta_refusal(block: nn.Module, error: Exception) -> TypeError:
+def meta_refusal(block: nn.Module, error: Exception) -> TypeError | None:
     """4.56: mixtures of experts route tokens by value (``nonzero``, an expert picked by a
     tensor's value), which the meta device cannot run; 5.x's grouped experts run there. The
-    error to raise for ``block`` failing so on meta (``error``)."""
+    error to raise for ``block`` failing on meta with ``error``; None on 5.x (``error``
+    stands)."""
+    if not before_5():
+        return None
     return TypeError(
         f"{type(block).__name__} cannot run on the meta device with transformers {version()} "
         f"({type(error).__name__}: {error!s:.120}): its experts route tokens by value; "
@@ -117,6 +126,9 @@ def init_weights(model: Any, module: nn.Module) -> None:
     """``model._init_weights(module)``, each tensor it writes counted as written (its version
     raised). 4.56's rules write through ``tensor.data``, which leaves the tensor's version as
     it was, so pipetrain would take the tensor for one the rule left unwritten."""
+    if not before_5():
+        model._init_weights(module)
+        return
     with _Writes() as writes:
         model._init_weights(module)
     for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
@@ -161,6 +173,8 @@ def refusal(model: Any, base: nn.Module, blocks: nn.ModuleList) -> TypeError | N
     and a newer one does not; None where there is none. 4.56's Gemma scales its embeddings in
     the base model's forward, outside the modules (5.x: in the embedding module); 4.56's
     Gemma 3 blocks take rotary tables made outside them (``_TWO_TABLES``)."""
+    if not before_5():
+        return None
     why = None
     try:
         scales = "normalizer" in inspect.getsource(type(base).forward)
@@ -183,6 +197,8 @@ def rebuild_buffers(config: Any, blocks: nn.ModuleList) -> None:
     ``_init_weights`` rule makes them; on a meta model each block's are taken from a block of
     its class built on the CPU as its base model builds it, ``(config, layer index)``. A block
     that cannot be built so keeps them meta (pipetrain then names them)."""
+    if not before_5():
+        return
     for index, block in enumerate(blocks):
         metas = [name for name, tensor in block.named_buffers() if tensor.is_meta
                  and name.rpartition(".")[2] in block.get_submodule(

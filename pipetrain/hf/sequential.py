@@ -417,9 +417,10 @@ class Block(View):
                 out = self.inner(hidden, **self._taken(attention_mask=attention,
                                  position_ids=positions, use_cache=cache is not None, **extra))
         except (RuntimeError, NotImplementedError) as error:
-            if meta is None:
+            refusal = None if meta is None else compat.meta_refusal(self.inner, error)
+            if refusal is None:
                 raise
-            raise compat.meta_refusal(self.inner, error) from error
+            raise refusal from error
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
