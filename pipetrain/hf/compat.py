@@ -7,6 +7,7 @@ release that can.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import re
@@ -27,6 +28,7 @@ def version() -> str:
     return str(transformers.__version__)
 
 
+@functools.cache
 def before_5() -> bool:
     """Whether the installed transformers is a 4.x release (4.56), which the shims below
     marked 4.56 are for; on 5.x they change nothing."""

@@ -309,7 +309,7 @@ class Positions:
         self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str | None,
     ) -> Any:
         rest = (layer_type,) if layer_type is not None and self.per_type else ()
-        if hidden.is_meta:  # shapes only, as transformers 4.56's rotary modules give them
+        if hidden.is_meta and compat.before_5():  # 4.56's rotary modules autocast on meta
             return compat.rotary_on_meta(self.rotary, hidden, positions, *rest)
         rotary = self.copies.get(hidden.device)
         if rotary is None:
