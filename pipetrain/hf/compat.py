@@ -100,8 +100,8 @@ def meta_refusal(block: nn.Module, error: Exception) -> TypeError | None:
         return None
     return TypeError(
         f"{type(block).__name__} cannot run on the meta device with transformers {version()} "
-        f"({type(error).__name__}: {error!s:.120}): its experts route tokens by value; "
-        f"profile it without --meta, or install {NEWER}"
+        f"({type(error).__name__}: {error!s:.120}): on 4.x a block that routes tokens by value "
+        f"(a mixture of experts) has no meta run; profile it without --meta, or install {NEWER}"
     )
 
 
