@@ -44,6 +44,12 @@ def table() -> str:
         "`oldest` pins every dependency at its lowest claim (`.ci/oldest.txt`). Regenerate",
         "with `python .ci/compatibility.py table` after `bash .ci/run`.",
         "",
+        "transformers (the `hf` extra) is claimed from 4.56 through 5.x. On 4.56 (`oldest`)",
+        "`pipetrain.hf` works as on 5.x but for what docs/hf.md's \"transformers 4.56\" lists",
+        "(pipetrain/hf/compat.py): hub checkpoints renamed by 4.56's own `from_pretrained` rules",
+        "(it converts no tensors), Gemma and Gemma 3 refused at `sequential`, mixtures of",
+        "experts refused on the meta device (`profile --meta`), each naming `transformers>=5.20`.",
+        "",
         "| row | Python | torch | numpy | pulp | transformers | networkx | safetensors "
         "| hypothesis | result | tests | date |",
         "|" + "---|" * 12,

@@ -140,9 +140,10 @@ def test_only_the_registry_asks_which_schedule_it_is():
 
 OPTIONAL = {  # optional dependencies -> the modules that may import them, inside functions only
     "matplotlib": {"pipetrain/observe/gantt.py"},  # pictures: `pipetrain trace`, simulate --png
-    # the `hf` extra: the layers, transformers' checkpoint conversions, generation's cache
+    # the `hf` extra: the layers, transformers' checkpoint conversions, generation's cache,
+    # what differs between its releases
     "transformers": {"pipetrain/hf/sequential.py", "pipetrain/hf/layout.py",
-                     "pipetrain/hf/cache.py"},
+                     "pipetrain/hf/cache.py", "pipetrain/hf/compat.py"},
 }
 
 

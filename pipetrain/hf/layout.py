@@ -7,8 +7,10 @@ mixture-of-experts block holds all its experts in one fused tensor, while the hu
 is ``embed_out`` in Pythia's checkpoints. :class:`HubLayout` applies the same transforms, the
 ones transformers lists for the model (``get_model_conversion_mapping``), grouped the same
 way its loader groups them: each key renamed, and the keys a converter takes together made
-into its targets by the converter itself. Nothing here knows a model: what transformers
-knows is all there is.
+into its targets by the converter itself. transformers 4.56 converts no tensors (its mixtures
+of experts hold one tensor per expert, as the hub does): there each key is renamed as its
+``from_pretrained`` renames it (pipetrain/hf/compat.py). Nothing here knows a model: what
+transformers knows is all there is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from pipetrain.checkpoints.layout import Group, Index
+from pipetrain.hf import compat
 
 
 class HubLayout:
@@ -34,6 +37,9 @@ class HubLayout:
         """The groups of ``index``: a key that no converter takes is kept or renamed; the keys
         a converter takes are one group, with the targets that converting them on the meta
         device gives."""
+        if not compat.converts_checkpoints():
+            names = compat.renamed_keys(self.model, list(index))
+            return [Group({key: index[key]}, {names[key]: index[key]}) for key in index]
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,
@@ -69,6 +75,8 @@ class HubLayout:
     def to_hub(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (some of the model's keys: whole layers) in the keys and tensors
         ``save_pretrained`` writes (on the meta device: their shapes)."""
+        if not compat.converts_checkpoints():
+            return compat.keys_on_save(self.model, state)
         from transformers.core_model_loading import revert_weight_conversion
 
         return dict(revert_weight_conversion(self.model, dict(state)))

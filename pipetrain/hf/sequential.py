@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipetrain.hf import compat
 from pipetrain.hf.cache import OneLayer, cache_argument, stage_cache
 from pipetrain.hf.layout import HubLayout
 from pipetrain.runtime.decoding import DecodeState
@@ -67,7 +68,8 @@ def sequential(model: Any) -> CausalLMLayers:
             f"pipetrain.hf.sequential takes a transformers *ForCausalLM (a model with a config "
             f"and an output head), got {type(model).__name__}"
         )
-    bases = [(n, m) for n, m in model.named_children() if m is model.base_model]
+    base_module = compat.base_model(model)
+    bases = [(n, m) for n, m in model.named_children() if m is base_module]
     heads = [n for n, m in model.named_children() if m is head]
     seq2seq = getattr(config, "is_encoder_decoder", False)
     if seq2seq or len(bases) != 1 or len(heads) != 1:
@@ -83,6 +85,9 @@ def sequential(model: Any) -> CausalLMLayers:
     positions = Positions(rotary, base.config) if rotary is not None else None
     shared = Shared()
     blocks = getattr(base, layers_name)
+    old = compat.refusal(model, base, blocks)
+    if old is not None:
+        raise old
     _refuse_block_inputs(blocks)
     layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
     for index, block in enumerate(blocks):
@@ -96,6 +101,7 @@ def sequential(model: Any) -> CausalLMLayers:
     made = keyed(CausalLMLayers, layers)
     made.checkpoint_layout = HubLayout(model)
     _make_unsaved(model, made)
+    compat.rebuild_buffers(base.config, blocks)
     return made
 
 
@@ -143,10 +149,11 @@ def _refuse_block_inputs(blocks: nn.ModuleList) -> None:
     """Refuse blocks whose forward takes inputs beyond those :class:`Block` gives (Gemma 3n
     and 4: per-layer inputs and key/value states shared across layers, which the base model
     computes outside the blocks and the stage boundary does not carry)."""
+    carried = _CARRIED | compat.BLOCK_FLAGS
     for block in blocks:
         signature = inspect.signature(type(block).forward)
         extra = [n for n, p in signature.parameters.items()
-                 if n not in _CARRIED and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+                 if n not in carried and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         if extra:
             raise TypeError(
                 f"{type(block).__name__} (a block) takes {', '.join(extra)}: inputs its model "
@@ -168,7 +175,7 @@ def _make_unsaved(model: Any, layers: nn.Module) -> None:
         fresh = {n: torch.empty_like(b, device="cpu") for n, b in metas.items()}
         module._buffers.update(fresh)
         with torch.no_grad():
-            model._init_weights(module.inner if isinstance(module, View) else module)
+            compat.init_weights(model, module.inner if isinstance(module, View) else module)
         for name, tensor in fresh.items():
             if tensor._version == 0:
                 module._buffers[name] = metas[name]
@@ -182,7 +189,7 @@ def initializer(model: Any) -> Callable[[nn.Module], None]:
 
     def init(layer: nn.Module) -> None:
         for module in layer.modules():
-            model._init_weights(module.inner if isinstance(module, View) else module)
+            compat.init_weights(model, module.inner if isinstance(module, View) else module)
 
     return init
 
@@ -301,13 +308,14 @@ class Positions:
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str | None,
     ) -> Any:
+        rest = (layer_type,) if layer_type is not None and self.per_type else ()
+        if hidden.is_meta and compat.before_5():  # 4.56's rotary modules autocast on meta
+            return compat.rotary_on_meta(self.rotary, hidden, positions, *rest)
         rotary = self.copies.get(hidden.device)
         if rotary is None:
             rotary = self.copies.setdefault(hidden.device, copy.deepcopy(self.rotary).to(
                 hidden.device))
-        if layer_type is not None and self.per_type:  # Gemma 3: a table per attention type
-            return rotary(hidden, positions, layer_type)
-        return rotary(hidden, positions)
+        return rotary(hidden, positions, *rest)  # Gemma 3: a table per attention type
 
 
 class Shared:
@@ -362,6 +370,7 @@ class Block(View):
     layer_type: str | None
     shared: Shared
     cache_name: str | None  # the name its forward takes a cache by (pipetrain/hf/cache.py)
+    takes: frozenset[str] | None  # the keywords its forward takes; None: any
 
     def __init__(
         self, inner: nn.Module, mask_kind: str, mask: Callable[..., Any], config: Any,
@@ -370,7 +379,8 @@ class Block(View):
         super().__init__(inner)
         self.__dict__.update(mask_kind=mask_kind, mask=mask, config=config,
                              positions=positions, index=place[0], layer_type=place[1],
-                             shared=shared, cache_name=cache_argument(inner))
+                             shared=shared, cache_name=cache_argument(inner),
+                             takes=compat.block_parameters(inner))
 
     def forward(self, value: Boundary) -> Boundary:
         return self._run(value, None)
@@ -402,12 +412,24 @@ class Block(View):
         if cache is not None:
             extra[self.cache_name] = cache  # type: ignore[index]
         meta = _MetaKernels() if hidden.is_meta else None  # type: ignore[no-untyped-call]
-        with meta or contextlib.nullcontext():
-            out = self.inner(hidden, attention_mask=attention, position_ids=positions,
-                             use_cache=cache is not None, **extra)
+        try:
+            with meta or contextlib.nullcontext():
+                out = self.inner(hidden, **self._taken(attention_mask=attention,
+                                 position_ids=positions, use_cache=cache is not None, **extra))
+        except (RuntimeError, NotImplementedError) as error:
+            refusal = None if meta is None else compat.meta_refusal(self.inner, error)
+            if refusal is None:
+                raise
+            raise refusal from error
         if isinstance(out, tuple):  # blocks of older transformers return (hidden, ...)
             out = out[0]
         return out, mask, positions
+
+    def _taken(self, **arguments: Any) -> dict[str, Any]:
+        """The ``arguments`` the block's forward takes (pipetrain/hf/compat.py)."""
+        if self.takes is None:
+            return arguments
+        return {k: v for k, v in arguments.items() if k in self.takes}
 
 
 class _MetaKernels(TorchDispatchMode):

@@ -11,6 +11,9 @@ transformers = pytest.importorskip(
 import torch  # noqa: E402
 
 VOCAB = 64
+# transformers 4.x (4.56): what pipetrain/hf/compat.py refuses there, naming the newer release
+BEFORE_5 = int(transformers.__version__.split(".")[0]) < 5
+REFUSED_BEFORE_5 = r"with transformers 4\.\d+\.\d+: .*install transformers>=5\.20"
 LLAMA_LIKE = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

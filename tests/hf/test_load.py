@@ -13,7 +13,7 @@ import torch
 import pipetrain
 import pipetrain.hf as hf
 from pipetrain.checkpoints.weightfile import WeightFileError
-from tests.hf.models import LLAMA_LIKE, config, model, transformers
+from tests.hf.models import BEFORE_5, LLAMA_LIKE, config, model, transformers
 
 
 def meta(arch: str) -> torch.nn.Module:
@@ -73,6 +73,9 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_buffers_no_checkpoint_holds_are_made_from_the_config(tmp_path: Path) -> None:
     """Gemma's embedding scale is a buffer outside the state_dict: on the meta device it has
     no value and no checkpoint holds it, so ``sequential`` makes it from the config."""
+    if BEFORE_5:
+        pytest.skip(f"transformers {transformers.__version__}'s Gemma 3 is refused by "
+                    "sequential (tests/hf/test_sequential.py)")
     made = transformers.Gemma3TextConfig(**LLAMA_LIKE, head_dim=8, pad_token_id=0)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(made).save_pretrained(tmp_path)

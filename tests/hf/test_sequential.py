@@ -8,7 +8,16 @@ import pytest
 import torch
 
 import pipetrain.hf as hf
-from tests.hf.models import LLAMA_LIKE, VOCAB, batch, declared, model, transformers
+from tests.hf.models import (
+    BEFORE_5,
+    LLAMA_LIKE,
+    REFUSED_BEFORE_5,
+    VOCAB,
+    batch,
+    declared,
+    model,
+    transformers,
+)
 
 ARCHS = [
     declared(a) for a in ("llama", "llama-tied", "qwen3", "mistral", "gpt2", "gptj", "codegen")
@@ -93,6 +102,10 @@ def test_more_architectures_with_a_plan_give_the_models_logits(name: str) -> Non
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(made).eval()
     ids, mask, _ = batch()
+    if BEFORE_5 and name in ("Gemma", "Gemma3Text"):  # scaling, rotary tables outside blocks
+        with pytest.raises(TypeError, match=REFUSED_BEFORE_5):
+            hf.sequential(m)
+        return
     layers = hf.sequential(m)
     assert list(layers.state_dict()) == list(m.state_dict())
     assert torch.equal(layers((ids, mask)), m(ids, attention_mask=mask, use_cache=False).logits)
@@ -156,6 +169,8 @@ def test_a_model_that_is_no_causal_lm_is_refused_as_such(built: str) -> None:
 def test_blocks_needing_per_layer_inputs_are_refused() -> None:
     """Gemma 4's blocks take per-layer inputs (and key/value states shared across layers) that
     its base model makes outside them: refused at ``sequential``, not failing in a forward."""
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
     made = transformers.Gemma4TextConfig(
         **LLAMA_LIKE, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=VOCAB, layer_types=["sliding_attention", "full_attention"],
