@@ -84,6 +84,11 @@ def pipeline_schedule(
     return built
 
 
+def forget_schedules() -> None:
+    """Drop the schedules :func:`pipeline_schedule` keeps."""
+    _BUILT.clear()
+
+
 def _generate(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     """:func:`pipeline_schedule`'s schedule, generated."""
     if not lookup(schedule).multi_stage_per_rank:

@@ -22,13 +22,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from partitioner.costs import held_weight_bytes, pipeline_schedule, problem_from_profile
+from partitioner.costs import (
+    forget_schedules,
+    held_weight_bytes,
+    pipeline_schedule,
+    problem_from_profile,
+)
 from partitioner.errors import InfeasibleError
 from partitioner.planner import plan
 from partitioner.plans import Host, Plan
 from partitioner.profile import Profile
 from partitioner.reuse import Pruned, Splits
-from partitioner.units import format_bytes, parse_bytes
+from partitioner.units import format_bytes, parse_bandwidth, parse_bytes
 from schedules import lookup, names
 
 
@@ -160,29 +165,38 @@ def why_empty(profile: Profile, *, devices: int, batch_size: int,
 
 @dataclass(frozen=True)
 class _Work:
-    """What the floors need of the profile: seconds of forward + backward per sample, the
-    least share of it any layer's forward is, and each ZeRO level's weight floors."""
+    """What the time floors need of the profile: per layer, seconds of forward + backward per
+    sample and seconds of a whole all-reduce of its gradients at unit ring share, and the least
+    share of any layer's compute its forward is."""
 
-    per_sample: float
+    per_sample: np.ndarray
+    allreduce: np.ndarray
     forward_share: float
 
     @staticmethod
-    def of(profile: Profile, recompute: bool) -> _Work:
-        total = sum(layer.forward + layer.backward for layer in profile.layers)
+    def of(profile: Profile, recompute: bool, bandwidth: float | str | None) -> _Work:
+        layers = profile.layers
+        total = np.array([layer.forward + layer.backward for layer in layers])
         shares = [layer.forward / (layer.forward * (2 if recompute else 1) + layer.backward)
-                  for layer in profile.layers if layer.forward + layer.backward > 0]
-        return _Work(total / profile.batch_size, min(shares, default=0.0))
+                  for layer in layers if layer.forward + layer.backward > 0]
+        link = math.inf if bandwidth is None else parse_bandwidth(bandwidth)
+        ring = np.array([2.0 * layer.param_bytes for layer in layers]) / link
+        return _Work(total / profile.batch_size, ring, min(shares, default=0.0))
 
 
 def time_floor(work: _Work, point: Point) -> float:
     """Seconds no split of ``point`` can beat (:func:`partitioner.reuse.step_floor` for an
     unknown split): a copy's compute C per micro-batch times :func:`_floor_factor` of the
-    schedule's placement."""
+    schedule's placement; or each rank's share of the compute and the all-reduces over the
+    copies that end its step, and the rank holding the heaviest layer's."""
     spec = lookup(point.schedule)
     chain = work.forward_share if spec.split_backward else 1.0
-    placement = _placement(point)
-    return work.per_sample * point.microbatch_size * _floor_factor(
-        placement, point.microbatches, chain)
+    m = point.microbatches
+    compute = work.per_sample * point.microbatch_size
+    reduce = work.allreduce * (1 - 1 / point.data_parallel)
+    return max(float(compute.sum()) * _floor_factor(_placement(point), m, chain),
+               float(m * compute.sum() + reduce.sum()) / point.stages,
+               float((m * compute + reduce).max()))
 
 
 def _placement(point: Point) -> tuple[int, ...]:
@@ -229,6 +243,13 @@ def _floor_factor(placement: tuple[int, ...], m: int, chain: float) -> float:
     return max(even, best * m)
 
 
+def forget() -> None:
+    """Drop what searches keep between them (generated schedules, floor factors): the cold
+    start a fresh ``pipetrain plan`` has."""
+    forget_schedules()
+    _floor_factor.cache_clear()
+
+
 def weight_floor(profile: Profile, point: Point) -> int:
     """Bytes some rank holds at least: per layer its weights, gradients and optimizer state
     (their share at the point's ZeRO level over its copies) and one micro-batch's activations,
@@ -240,6 +261,9 @@ def weight_floor(profile: Profile, point: Point) -> int:
     )
     held = held_weight_bytes(problem) + problem.activation_bytes
     return max(-(-int(held.sum()) // point.stages), int(held.max()))
+
+
+WITHIN = 1.1  # each schedule's best is kept where it is within this of the best step
 
 
 @dataclass(frozen=True)
@@ -266,13 +290,18 @@ def candidates(
     virtual_stages: int = 2,
     settings: Settings | None = None,
     prune: bool = True,
+    within: float = WITHIN,
 ) -> list[Candidate]:
     """Every point of :func:`space`, planned, refused or (``prune``) pruned, fastest floor
-    first. ``memory`` (bytes per device, or "80GB") overrides ``settings.memory``."""
+    first. ``memory`` (bytes per device, or "80GB") overrides ``settings.memory``.
+
+    Pruning keeps the best point, and the best of each schedule whose best is within
+    ``within`` times the best step: a point is pruned where its floor is over its
+    schedule's best so far, or over ``within`` times the best so far."""
     settings = settings or Settings()
     if memory is not None:
         settings = replace(settings, memory=parse_bytes(memory))
-    work = _Work.of(profile, settings.checkpoint != "never")
+    work = _Work.of(profile, settings.checkpoint != "never", settings.bandwidth)
     points = space(profile, devices=devices, batch_size=batch_size, schedules=schedules,
                    stages=stages, microbatches=microbatches, zero=zero,
                    virtual_stages=virtual_stages)
@@ -282,10 +311,13 @@ def candidates(
     best: dict[str, float] = {}
     found = []
     for floor, point in ordered:
-        ceiling = best.get(point.schedule, math.inf) if prune else math.inf
+        ceiling = math.inf
+        if prune:
+            ceiling = min(best.get(point.schedule, math.inf),
+                          within * min(best.values(), default=math.inf))
         one = _planned(profile, point, floor, ceiling, settings, splits)
         if one.plan is not None:
-            best[point.schedule] = min(ceiling, one.plan.step_time)
+            best[point.schedule] = min(best.get(point.schedule, math.inf), one.plan.step_time)
         found.append(one)
     return found
 
@@ -294,8 +326,7 @@ def _planned(profile: Profile, point: Point, floor: float, ceiling: float,
              settings: Settings, splits: Splits) -> Candidate:
     """The candidate of ``point``: pruned by its floors, refused, or planned."""
     if floor > ceiling:
-        return Candidate(point, None, floor, f"pruned: its step is at least {floor * 1e3:.3f} "
-                         f"ms, over the best {point.schedule} plan's", pruned=True)
+        return _pruned(point, floor)
     cap = settings.memory
     if cap is not None and (held := weight_floor(profile, point)) > cap:
         return Candidate(point, None, floor, f"its weights, gradients, optimizer state and one "
@@ -314,12 +345,17 @@ def _planned(profile: Profile, point: Point, floor: float, ceiling: float,
             data_parallel=point.data_parallel, splits=splits,
         )
     except Pruned as stop:
-        return Candidate(point, None, stop.floor, f"pruned: {stop}, over the best "
-                         f"{point.schedule} plan's", pruned=True)
+        return _pruned(point, stop.floor)
     except (InfeasibleError, ValueError) as error:
         need = error.smallest_cap if isinstance(error, InfeasibleError) else None
         return Candidate(point, None, floor, str(error), need=need)
     return Candidate(point, result, floor)
+
+
+def _pruned(point: Point, floor: float) -> Candidate:
+    return Candidate(point, None, floor, f"pruned: its step is at least {floor * 1e3:.3f} ms, "
+                     f"over the best {point.schedule} plan's or what the search keeps",
+                     pruned=True)
 
 
 def rank_key(c: Candidate) -> tuple[float, int, int, int, int]:

@@ -28,7 +28,8 @@ def describe_plan(plan: Plan) -> str:
     recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
     said = f"recomputing on stages {recomputing}" if recomputing else "no stage recomputes"
     head = (
-        f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
+        f"{layers} layers -> {plan.stages} stage{'s' if plan.stages != 1 else ''}, balance "
+        f"{plan.balance}; {plan.schedule}, "
         f"{plan.microbatches} micro-batch{'es' if plan.microbatches != 1 else ''} of "
         f"{plan.microbatch_size} sample{'s' if plan.microbatch_size != 1 else ''}, checkpoint "
         f"{plan.checkpoint} ({said}), solver "
