@@ -10,6 +10,7 @@ import pytest
 from partitioner import LayerCost, Plan, Profile, plan
 from partitioner.costs import pipeline_schedule
 from partitioner.search import (
+    WITHIN,
     Settings,
     _floor_factor,
     best_per_schedule,
@@ -72,8 +73,11 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_does(seed) -> None:
     every = candidates(profile, prune=False, **kwargs)
     assert len(pruned) == len(every)
     ours, theirs = best_per_schedule(pruned), best_per_schedule(every)
-    assert {k: c.point for k, c in ours.items()} == {k: c.point for k, c in theirs.items()}
-    assert [c.plan.step_time for c in ours.values()] == [c.plan.step_time for c in theirs.values()]
+    fastest = next(iter(theirs.values())).plan.step_time
+    near = {k: c for k, c in theirs.items() if c.plan.step_time <= WITHIN * fastest}
+    assert next(iter(ours.values())).point == next(iter(theirs.values())).point
+    assert {k: ours[k].point for k in near} == {k: c.point for k, c in near.items()}
+    assert all(ours[k].plan.step_time == c.plan.step_time for k, c in near.items())
     for c in every:  # each floor is under the step the point's plan predicts
         if c.plan is not None:
             assert c.floor <= c.plan.step_time * (1 + 1e-9)
