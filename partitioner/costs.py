@@ -246,6 +246,17 @@ def _stage_resources(
     return flight, mem, bw, spd, count
 
 
+def _check_sharing(zero: int, reduce_scatter: str, data_parallel: int, replicated: bool) -> None:
+    """Refuse a ZeRO level, reduce-scatter mode or copy count :class:`Problem` cannot take."""
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
+    if reduce_scatter not in REDUCE_SCATTER:
+        raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER}, got {reduce_scatter!r}")
+    if data_parallel < 1 or (data_parallel > 1 and replicated):
+        raise ValueError(f"data_parallel copies the whole pipeline: >= 1 and with one device "
+                         f"per stage (no stage replicated), got {data_parallel}")
+
+
 def make_problem(
     forward: Values,
     backward: Values | None = None,
@@ -299,13 +310,7 @@ def make_problem(
     flight, mem, bw, spd, count = _stage_resources(
         stages, inflight, memory, bandwidth, speed, devices
     )
-    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
-    if reduce_scatter not in REDUCE_SCATTER:
-        raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER}, got {reduce_scatter!r}")
-    if data_parallel < 1 or (data_parallel > 1 and count > stages):
-        raise ValueError(f"data_parallel copies the whole pipeline: >= 1 and with one device "
-                         f"per stage, got {data_parallel} over {count} devices")
+    _check_sharing(zero, reduce_scatter, data_parallel, count > stages)
     return Problem(
         forward=fwd,
         backward=bwd,

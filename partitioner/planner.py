@@ -72,14 +72,11 @@ def plan(
     reduce-scatter per micro-batch; "auto" (default) plans under both and keeps the faster
     split that fits, "step" on a tie (``Plan.reduce_scatter`` says which).
 
-    ``data_parallel``: copies of the whole pipeline (one device per stage each, so
-    its ranks x ``data_parallel`` devices; ``pipetrain train`` starts that many processes), each
-    running every micro-batch of its own ``microbatch_size`` samples: they all-reduce each
-    stage's gradients together and ``zero`` shards over them (``Plan.data_parallel``).
-
-    ``splits`` (a search's, :class:`partitioner.reuse.Splits`): solve each distinct problem
-    once, and raise :class:`partitioner.reuse.Pruned` instead of simulating a split whose step
-    floor is over ``splits.ceiling``.
+    ``data_parallel``: copies of the whole pipeline, each running every micro-batch of its own
+    samples, all-reducing (and under ``zero`` sharding) each stage's weights together
+    (``Plan.data_parallel``). ``splits`` (a search's :class:`partitioner.reuse.Splits`) solves
+    each distinct problem once and raises ``Pruned`` for a split whose step floor is over its
+    ceiling.
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -105,29 +102,17 @@ def plan(
         speed, caps, links, ranks = _on_graph(devices, stages, cap, link)
         use_ilp = use_ilp or (solver == "auto" and not is_uniform(devices))
     problem = problem_from_profile(
-        profile,
-        stages=stages,
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        schedule=schedule,
-        checkpoint=checkpoint,
-        virtual_stages=virtual_stages,
-        speed=speed,
-        memory=caps,
-        bandwidth=links,
-        devices=count,
-        zero=zero,
-        data_parallel=data_parallel,
+        profile, stages=stages, microbatches=microbatches, microbatch_size=microbatch_size,
+        schedule=schedule, checkpoint=checkpoint, virtual_stages=virtual_stages, speed=speed,
+        memory=caps, bandwidth=links, devices=count, zero=zero, data_parallel=data_parallel,
     )
     split, mode = _choose(problem, use_ilp, schedule, checkpoint, reduce_scatter, splits)
     ranks = ranks or _ranks(split, schedule, microbatches, virtual_stages, cap)
     if splits is not None:
         splits.check(split.stages, ranks, microbatches, not lookup(schedule).split_backward)
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    made = _make_plan(
-        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
-        Host(cores, overhead), virtual_stages,
-    )
+    made = _make_plan(profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
+                      Host(cores, overhead), virtual_stages)
     return replace(made, reduce_scatter=mode, zero=zero, data_parallel=data_parallel)
 
 

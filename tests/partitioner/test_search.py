@@ -1,5 +1,6 @@
 """partitioner.search: the whole-run search over schedule, pipeline ranks x data-parallel copies,
-micro-batches and ZeRO; pruned by its floors, it returns what planning every point does."""
+micro-batches and ZeRO; pruned by its floors, it returns what planning every point does (the best,
+and each schedule's best within WITHIN of it)."""
 
 from __future__ import annotations
 
