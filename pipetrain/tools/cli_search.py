@@ -15,6 +15,7 @@ from typing import Any
 
 from partitioner import Plan, Profile, format_bytes
 from partitioner.search import (
+    WITHIN,
     Candidate,
     Settings,
     best_per_schedule,
@@ -93,8 +94,9 @@ def chosen_lines(best: Candidate) -> list[str]:
 
 
 def runner_up_table(found: Sequence[Candidate], chosen: Candidate) -> list[str]:
-    """Each other schedule's best plan (step time, peak memory per rank), and the schedules
-    that had none."""
+    """Each other schedule's best plan (step time, peak memory per rank; exact where within
+    WITHIN of the chosen step, else the best its unpruned points gave), and the schedules that
+    had none."""
     best = best_per_schedule(found)
     rows = [f"{'schedule':<15}{'ranks':>6}{'copies':>7}{'micro-batches':>14}{'zero':>5}"
             f"{'step ms':>11}{'vs chosen':>10}{'peak/rank':>12}"]
@@ -109,7 +111,8 @@ def runner_up_table(found: Sequence[Candidate], chosen: Candidate) -> list[str]:
     searched = {c.schedule for c in found}
     missing = sorted(searched - set(best))
     if missing:
-        rows.append(f"no plan: {', '.join(missing)} (every point did not fit or was pruned)")
+        rows.append(f"no plan: {', '.join(missing)} (no point fits, or none can come within "
+                    f"{WITHIN:.2f}x of the chosen step: pruned by their floors)")
     return ["the best of each other schedule:", *rows] if len(rows) > 1 else []
 
 
