@@ -51,7 +51,8 @@ def schedule_notes(plan: Plan) -> list[str]:
         notes.append(
             f"{plan.schedule} runs the {plan.stages} stages on {plan.pipeline_ranks} ranks, "
             f"{plan.stages // plan.pipeline_ranks} virtual stages per rank ("
-            f"{_built(plan).placement_text()}); train with {plan.pipeline_ranks} devices"
+            f"{_built(plan).placement_text()}); train with "
+            f"{plan.pipeline_ranks * plan.data_parallel} devices"
         )
     if lookup(plan.schedule).split_backward:
         notes.append(
