@@ -10,6 +10,11 @@
    by the same model (baseline cuts moved to the nearest cut the graph allows). The DP must never
    be worse; the script fails if it is.
 3. The DP's stage tables for the PipeDream profiles.
+4. The whole-run search (``pipetrain plan PROFILE --devices N --batch-size B --memory CAP``,
+   ``partitioner.search.candidates``) for a 100-layer synthetic profile: seconds, median of 3,
+   each run cold (the kept schedules and splits cleared first, as a fresh command starts), with
+   how many points it planned, pruned and refused. ``python benchmarks/plan_speed.py search``
+   runs this table alone.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from partitioner import (  # noqa: E402
 )
 from partitioner.costs import Problem  # noqa: E402
 from partitioner.dp import split_of  # noqa: E402
+from partitioner.search import Settings, best_per_schedule, candidates, forget  # noqa: E402
 
 LAYERS = (250, 500, 1000, 2000)
 STAGES = (8, 16, 32, 64)
@@ -173,14 +179,44 @@ def stage_tables() -> None:
         print(result.table())
 
 
+SEARCHES = ((8, 64, "4GB"), (64, 64, "8GB"), (64, 256, "8GB"))  # devices, batch, cap
+
+
+def search_table() -> None:
+    """Row per (devices, batch, cap): the whole-run search's time, median of 3 cold runs."""
+    profile = synthetic(100)
+    settings = Settings(bandwidth=BANDWIDTH)
+    print(f"\nWhole-run search, 100 layers, {BANDWIDTH / 1e9:g} GB/s: seconds, median of 3")
+    print(f"{'devices':>8}{'batch':>7}{'cap':>6}{'seconds':>9}{'points':>8}{'planned':>8}"
+          f"{'pruned':>8}  chosen")
+    for devices, batch, cap in SEARCHES:
+        found: list = []
+
+        def run(devices: int = devices, batch: int = batch, cap: str = cap,
+                found: list = found) -> None:
+            found[:] = candidates(profile, devices=devices, batch_size=batch, memory=cap,
+                                  settings=settings)
+
+        seconds = median_time(run, 3, before=forget)
+        chosen = next(iter(best_per_schedule(found).values()))
+        planned = sum(c.plan is not None for c in found)
+        pruned = sum(c.pruned for c in found)
+        print(f"{devices:>8}{batch:>7}{cap:>6}{seconds:>9.2f}{len(found):>8}{planned:>8}"
+              f"{pruned:>8}  {chosen.point.describe()}")
+
+
 def main() -> None:
     print(
         f"python {platform.python_version()}, numpy {np.__version__}, "
         f"{os.cpu_count()} CPUs, {platform.machine()}"
     )
+    if sys.argv[1:] == ["search"]:
+        search_table()
+        return
     speed_tables()
     quality_table()
     stage_tables()
+    search_table()
 
 
 if __name__ == "__main__":

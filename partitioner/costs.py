@@ -19,6 +19,8 @@ Communication overlaps computation (the runtime posts sends asynchronously and t
 charges a message only as latency on its link), so a link is a pipeline resource of its own: per
 micro-batch it carries one activation forward and one gradient back. The all-reduce of a
 replicated stage runs once per mini-batch of ``m`` micro-batches; it is amortised over them.
+Where the whole pipeline is copied ``data_parallel`` = d times (each copy runs every micro-batch
+of its share of the batch), r above is r d in the all-reduce and the sharding, not in the work.
 
 Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight``)::
 
@@ -49,18 +51,46 @@ import numpy as np
 from partitioner.profile import Profile
 from schedules import DEFAULT_SCHEDULE, Schedule, build, lookup
 from schedules import inflight as schedule_inflight
+from schedules.validate import validate
 
 CHECKPOINT = ("never", "auto", "always")
 REDUCE_SCATTER = ("step", "microbatch")  # when zero 2 and 3 reduce the gradients (docstring)
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
 
 
+_BUILT: dict[tuple[object, int, int, int], Schedule] = {}
+_BUILT_MOST = 1024  # schedules kept; the cache starts over past this many
+
+
 def pipeline_schedule(
     schedule: str, stages: int, microbatches: int, virtual_stages: int = 2
 ) -> Schedule:
-    """The schedule ``schedule`` for ``stages`` stages. A schedule that puts several stages on a
-    rank ("interleaved") runs them as ``virtual_stages`` stages per rank on
-    ``stages / virtual_stages`` ranks, stage s on rank s mod ranks."""
+    """The schedule ``schedule`` for ``stages`` stages, validated. A schedule that puts several
+    stages on a rank ("interleaved") runs them as ``virtual_stages`` stages per rank on
+    ``stages / virtual_stages`` ranks, stage s on rank s mod ranks.
+
+    Each is generated and validated once and then kept (a search plans many splits under the
+    same schedule), so what this returns needs no validating again (``simulate(...,
+    validated=True)``); a schedule registered again under the same name is generated anew."""
+    spec = lookup(schedule)
+    key = (spec, stages, microbatches, virtual_stages if spec.multi_stage_per_rank else 0)
+    built = _BUILT.get(key)
+    if built is None:
+        built = _generate(schedule, stages, microbatches, virtual_stages)
+        validate(built)
+        if len(_BUILT) >= _BUILT_MOST:
+            _BUILT.clear()
+        _BUILT[key] = built
+    return built
+
+
+def forget_schedules() -> None:
+    """Drop the schedules :func:`pipeline_schedule` keeps."""
+    _BUILT.clear()
+
+
+def _generate(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """:func:`pipeline_schedule`'s schedule, generated."""
     if not lookup(schedule).multi_stage_per_rank:
         return build(schedule, stages, microbatches)
     if virtual_stages < 1 or stages % virtual_stages:
@@ -121,6 +151,12 @@ class Problem:
     allreduce_bandwidth: float = math.inf
     zero: int = 0  # what a replicated stage shards over its replicas (module docstring)
     reduce_scatter: str = "step"  # zero 2 and 3: gradients reduced per step or micro-batch
+    data_parallel: int = 1  # copies of the whole pipeline, each running every micro-batch
+
+    def ring(self, replicas: int) -> int:
+        """Devices that all-reduce (and under ``zero`` shard) a stage on ``replicas`` replicas:
+        its replicas in every copy of the pipeline."""
+        return replicas * self.data_parallel
 
     @property
     def sharded_gradients(self) -> bool:
@@ -210,6 +246,17 @@ def _stage_resources(
     return flight, mem, bw, spd, count
 
 
+def _check_sharing(zero: int, reduce_scatter: str, data_parallel: int, replicated: bool) -> None:
+    """Refuse a ZeRO level, reduce-scatter mode or copy count :class:`Problem` cannot take."""
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
+    if reduce_scatter not in REDUCE_SCATTER:
+        raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER}, got {reduce_scatter!r}")
+    if data_parallel < 1 or (data_parallel > 1 and replicated):
+        raise ValueError(f"data_parallel copies the whole pipeline: >= 1 and with one device "
+                         f"per stage (no stage replicated), got {data_parallel}")
+
+
 def make_problem(
     forward: Values,
     backward: Values | None = None,
@@ -232,6 +279,7 @@ def make_problem(
     allreduce_bandwidth: float | None = None,
     zero: int = 0,
     reduce_scatter: str = "step",
+    data_parallel: int = 1,
 ) -> Problem:
     """A validated Problem; omitted byte arrays are zero, omitted cuts all allowed, per-stage
     resources given once apply to every stage. ``cut_bytes``/``allowed`` have L + 1 entries.
@@ -262,10 +310,7 @@ def make_problem(
     flight, mem, bw, spd, count = _stage_resources(
         stages, inflight, memory, bandwidth, speed, devices
     )
-    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3 (what replicas shard), got {zero!r}")
-    if reduce_scatter not in REDUCE_SCATTER:
-        raise ValueError(f"reduce_scatter must be one of {REDUCE_SCATTER}, got {reduce_scatter!r}")
+    _check_sharing(zero, reduce_scatter, data_parallel, count > stages)
     return Problem(
         forward=fwd,
         backward=bwd,
@@ -288,6 +333,7 @@ def make_problem(
         ),
         zero=zero,
         reduce_scatter=reduce_scatter,
+        data_parallel=data_parallel,
     )
 
 
@@ -312,10 +358,13 @@ def problem_from_profile(
     devices: int | None = None,
     zero: int = 0,
     reduce_scatter: str = "step",
+    data_parallel: int = 1,
 ) -> Problem:
     """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
     (default: the profile's batch size) under ``schedule`` (with ``virtual_stages`` stages per
-    rank if it is "interleaved"). Each layer's W time is :func:`weight_gradient_share`."""
+    rank if it is "interleaved"). Each layer's W time is :func:`weight_gradient_share`.
+    ``data_parallel``: copies of the whole pipeline, each on its own share of the batch, that
+    all-reduce (and under ``zero`` shard) every stage's weights together."""
     if checkpoint not in CHECKPOINT:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT}, got {checkpoint!r}")
     size = profile.batch_size if microbatch_size is None else microbatch_size
@@ -355,6 +404,7 @@ def problem_from_profile(
         allreduce_bandwidth=float(bandwidth) if isinstance(bandwidth, int | float) else None,
         zero=zero,
         reduce_scatter=reduce_scatter,
+        data_parallel=data_parallel,
     )
 
 
@@ -368,8 +418,9 @@ def compute_prefix(
     ``recompute`` adds the forward that the backward runs again."""
     work = problem.cost + problem.forward if recompute else problem.cost
     per_layer = work / (problem.speed[stage] * replicas)
-    if replicas > 1:
-        share = problem.ring_passes * (replicas - 1) / replicas / (
+    ring = problem.ring(replicas)
+    if ring > 1:
+        share = problem.ring_passes * (ring - 1) / ring / (
             problem.allreduce_bandwidth * problem.microbatches
         )
         per_layer = per_layer + problem.param_bytes * share
@@ -395,9 +446,10 @@ def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
     optimizer = problem.weight_bytes - 2 * params
     tied = problem.tied_bytes if problem.zero >= 2 else np.zeros_like(params)
     tied_state = optimizer * tied // np.maximum(params, 1)  # tied is 0 where params is
-    divisors = [replicas if problem.zero >= 3 else 1,
-                replicas if problem.sharded_gradients else 1,
-                replicas if problem.zero >= 1 else 1]
+    ring = problem.ring(replicas)
+    divisors = [ring if problem.zero >= 3 else 1,
+                ring if problem.sharded_gradients else 1,
+                ring if problem.zero >= 1 else 1]
     sharded = (params - tied, params - tied, optimizer - tied_state)
     held: np.ndarray = 2 * tied + tied_state + sum(
         -(-part // d) for part, d in zip(sharded, divisors, strict=True)
@@ -489,7 +541,7 @@ def evaluate(
                 backward=float(problem.backward[i:j].sum()) / divisor + (forward if again else 0),
                 weight=float(problem.weight_gradient[i:j].sum()) / divisor,
                 compute=float(prefix[j] - prefix[i]),
-                allreduce=problem.ring_passes * (r - 1) / r * grads
+                allreduce=problem.ring_passes * (1 - 1 / problem.ring(r)) * grads
                 / problem.allreduce_bandwidth,
                 link=0.0 if last else float(link_time(problem, t)[j]),
                 message=0.0 if last else float(problem.cut_bytes[j]) / problem.bandwidth[t],

@@ -22,6 +22,7 @@ from partitioner.errors import InfeasibleError, Remedy
 from partitioner.ilp import solve_ilp
 from partitioner.plans import Host, Plan, StagePlan
 from partitioner.profile import Profile
+from partitioner.reuse import Splits
 from partitioner.topology import chain_order, is_uniform, link_bandwidths, memory_of, speed_of
 from partitioner.units import parse_bandwidth, parse_bytes
 from schedules import DEFAULT_SCHEDULE, Simulation, lookup, simulate
@@ -51,6 +52,8 @@ def plan(
     virtual_stages: int = 2,
     zero: int = 0,
     reduce_scatter: str = "auto",
+    data_parallel: int = 1,
+    splits: Splits | None = None,
 ) -> Plan:
     """Split ``profile`` into ``stages`` stages for ``microbatches`` micro-batches per step.
 
@@ -68,6 +71,12 @@ def plan(
     counts a step's gradients whole and one reduce-scatter, "microbatch" their shards and a
     reduce-scatter per micro-batch; "auto" (default) plans under both and keeps the faster
     split that fits, "step" on a tie (``Plan.reduce_scatter`` says which).
+
+    ``data_parallel``: copies of the whole pipeline, each running every micro-batch of its own
+    samples, all-reducing (and under ``zero`` sharding) each stage's weights together
+    (``Plan.data_parallel``). ``splits`` (a search's :class:`partitioner.reuse.Splits`) solves
+    each distinct problem once and raises ``Pruned`` for a split whose step floor is over its
+    ceiling.
 
     ``cores`` and ``overhead`` change the prediction, not the split (see :func:`predict`): the
     stages are processes sharing ``cores`` processors of one host (a CPU machine), and the
@@ -93,31 +102,23 @@ def plan(
         speed, caps, links, ranks = _on_graph(devices, stages, cap, link)
         use_ilp = use_ilp or (solver == "auto" and not is_uniform(devices))
     problem = problem_from_profile(
-        profile,
-        stages=stages,
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        schedule=schedule,
-        checkpoint=checkpoint,
-        virtual_stages=virtual_stages,
-        speed=speed,
-        memory=caps,
-        bandwidth=links,
-        devices=count,
-        zero=zero,
+        profile, stages=stages, microbatches=microbatches, microbatch_size=microbatch_size,
+        schedule=schedule, checkpoint=checkpoint, virtual_stages=virtual_stages, speed=speed,
+        memory=caps, bandwidth=links, devices=count, zero=zero, data_parallel=data_parallel,
     )
-    split, mode = _choose(problem, use_ilp, schedule, checkpoint, reduce_scatter)
+    split, mode = _choose(problem, use_ilp, schedule, checkpoint, reduce_scatter, splits)
     ranks = ranks or _ranks(split, schedule, microbatches, virtual_stages, cap)
+    if splits is not None:
+        splits.check(split.stages, ranks, microbatches, not lookup(schedule).split_backward)
     size = profile.batch_size if microbatch_size is None else microbatch_size
-    made = _make_plan(
-        profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
-        Host(cores, overhead), virtual_stages,
-    )
-    return replace(made, reduce_scatter=mode)
+    made = _make_plan(profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
+                      Host(cores, overhead), virtual_stages)
+    return replace(made, reduce_scatter=mode, zero=zero, data_parallel=data_parallel)
 
 
 def _choose(
-    problem: Problem, use_ilp: bool, schedule: str, checkpoint: str, reduce_scatter: str
+    problem: Problem, use_ilp: bool, schedule: str, checkpoint: str, reduce_scatter: str,
+    splits: Splits | None = None,
 ) -> tuple[Split, str]:
     """The split and the reduce-scatter mode it is planned under (:func:`plan`): under
     "auto" at zero 2 and 3 the faster of the two that fit, by the bottleneck."""
@@ -136,7 +137,7 @@ def _choose(
     for mode in modes:  # "step" first: kept on a tie (fewer collectives)
         try:
             found.append((_solve(replace(problem, reduce_scatter=mode), use_ilp, schedule,
-                                 checkpoint), mode))
+                                 checkpoint, splits), mode))
         except InfeasibleError as error:
             failure = error  # the last mode's: the smallest cap
     if not found:
@@ -186,10 +187,15 @@ def _on_graph(
     return speed, caps, link_bandwidths(devices, order), [[r] for r in order]
 
 
-def _solve(problem: Problem, use_ilp: bool, schedule: str, checkpoint: str) -> Split:
-    """The best split by the DP or the integer program; if none fits, the ways out."""
+def _solve(
+    problem: Problem, use_ilp: bool, schedule: str, checkpoint: str, splits: Splits | None = None
+) -> Split:
+    """The best split by the DP (kept in ``splits``) or the integer program; if none fits,
+    the ways out."""
     try:
-        return solve_ilp(problem) if use_ilp else solve(problem)
+        if use_ilp:
+            return solve_ilp(problem)
+        return splits.solve(problem) if splits is not None else solve(problem)
     except InfeasibleError as error:
         remedies = _remedies(problem, schedule, checkpoint, error.smallest_cap is not None)
         raise InfeasibleError(error.reason, error.smallest_cap, remedies) from None
@@ -213,7 +219,7 @@ def _remedies(problem: Problem, schedule: str, checkpoint: str, memory: bool) ->
             "checkpoint='auto' (recompute activations where the cap needs it)",
             "--checkpoint auto (recompute activations where the cap needs it)",
         ))
-    if problem.devices > problem.stages and problem.zero < 3:
+    if problem.devices * problem.data_parallel > problem.stages and problem.zero < 3:
         found.append(Remedy(
             "zero=3 (replicated stages shard their weights, gradients and optimizer state)",
             "--zero 3 (replicated stages shard their weights, gradients and optimizer state)",
@@ -288,6 +294,7 @@ def predict(
         optimizer_step=optimizer_step,
         overhead=host.overhead,
         cores=host.cores,
+        validated=True,  # pipeline_schedule validated it
     )
 
 

@@ -32,6 +32,10 @@ zero-bubble schedules run apart (see ``partitioner.costs.weight_gradient_share``
 backward: ``backward_time`` includes it); a file without it (older) means the plan's own. Under
 "interleaved" several stages share a rank (``stage_to_rank`` [0, 1, 0, 1]: 2 ranks).
 ``host`` says what the prediction assumed beyond the profile (see :class:`Host`).
+Optional (their defaults when absent): ``reduce_scatter`` ("step"), ``zero`` (0: the
+``Pipeline(zero=)`` the memory counts) and ``data_parallel`` (1: how many copies of the whole
+pipeline run in data parallel, each ``microbatches`` micro-batches of ``microbatch_size``; the
+run takes ``pipeline ranks x data_parallel`` processes).
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class Plan:
     solver: str = "dp"
     host: Host = field(default_factory=Host)
     reduce_scatter: str = "step"  # zero 2 and 3: Pipeline(reduce_scatter=) the plan counts
+    zero: int = 0  # Pipeline(zero=) the plan counts: what replicated stages shard
+    data_parallel: int = 1  # copies of the whole pipeline, each on its own micro-batches
     version: int = VERSION
 
     @property
@@ -208,7 +214,7 @@ class Plan:
                 f"version {VERSION}); re-run `pipetrain plan`"
             )
         values = _typed_fields(cls, data, "plan", skip=("per_stage", "host"),
-                               optional=("reduce_scatter",))
+                               optional=("reduce_scatter", "zero", "data_parallel"))
         stages = [
             _stage_from_dict(s, t, values["checkpoint"])
             for t, s in enumerate(typed(data, "per_stage", list, "plan", PlanFileError))

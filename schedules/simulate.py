@@ -138,6 +138,7 @@ def simulate(
     flush: bool = True,
     reduce: float | Sequence[float] = 0.0,
     agree: float | Sequence[float] = 0.0,
+    validated: bool = False,
 ) -> Simulation:
     """Simulate one mini-batch. ``forward``/``backward``/``weight``/``optimizer_step`` are
     per-stage times for one micro-batch (a scalar applies to every stage); ``transfer`` is the
@@ -178,8 +179,12 @@ def simulate(
     replicas and tied stages) and of the AGREE its rank's lowest stage names (the step's
     agreement), 0 by default. Neither takes the per-action ``overhead``, and AGREE's wait for
     the other ranks is not modelled: each rank's step time is its own work's.
+
+    ``validated=True``: the caller has validated ``schedule`` already (one kept validated, as
+    ``partitioner.costs.pipeline_schedule`` keeps them), so it is not checked again.
     """
-    validate(schedule)
+    if not validated:
+        validate(schedule)
     if schedule.asynchronous:
         schedule = unroll(schedule, calls, flush)
     costs = _compute_costs(schedule, forward, backward, weight, optimizer_step, reduce, agree)

@@ -166,7 +166,8 @@ def add_planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size",
         type=int,
-        help="mini-batch size of a PipeDream graph.txt (inferred for image models)",
+        help="samples per step: in `plan`'s search the mini-batch over all devices; the "
+        "mini-batch size of a PipeDream graph.txt (inferred for image models)",
     )
     p.add_argument(
         "--microbatch-size",

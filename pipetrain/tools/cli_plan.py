@@ -18,6 +18,7 @@ from pipetrain.tools.cli_common import (
     load_profile,
     save,
 )
+from pipetrain.tools.cli_search import cmd_search
 from schedules import DEFAULT_SCHEDULE, Schedule, lookup, names
 
 
@@ -27,8 +28,10 @@ def describe_plan(plan: Plan) -> str:
     recomputing = [t for t, mode in enumerate(plan.checkpoints) if mode == "always"]
     said = f"recomputing on stages {recomputing}" if recomputing else "no stage recomputes"
     head = (
-        f"{layers} layers -> {plan.stages} stages, balance {plan.balance}; {plan.schedule}, "
-        f"{plan.microbatches} micro-batches of {plan.microbatch_size} samples, checkpoint "
+        f"{layers} layers -> {plan.stages} stage{'s' if plan.stages != 1 else ''}, balance "
+        f"{plan.balance}; {plan.schedule}, "
+        f"{plan.microbatches} micro-batch{'es' if plan.microbatches != 1 else ''} of "
+        f"{plan.microbatch_size} sample{'s' if plan.microbatch_size != 1 else ''}, checkpoint "
         f"{plan.checkpoint} ({said}), solver "
         f"{plan.solver}; profiled on {plan.device}"
     )
@@ -48,7 +51,8 @@ def schedule_notes(plan: Plan) -> list[str]:
         notes.append(
             f"{plan.schedule} runs the {plan.stages} stages on {plan.pipeline_ranks} ranks, "
             f"{plan.stages // plan.pipeline_ranks} virtual stages per rank ("
-            f"{_built(plan).placement_text()}); train with {plan.pipeline_ranks} devices"
+            f"{_built(plan).placement_text()}); train with "
+            f"{plan.pipeline_ranks * plan.data_parallel} devices"
         )
     if lookup(plan.schedule).split_backward:
         notes.append(
@@ -61,13 +65,19 @@ def schedule_notes(plan: Plan) -> list[str]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, args.batch_size)
+    if args.stages is None or args.microbatches is None:
+        return cmd_search(profile, args, describe_plan)
+    if args.explain:
+        raise UsageError("--explain shows the search's frontier: leave out --stages or "
+                         "--microbatches to search")
     on = host(args)
+    zero = args.zero or 0
     try:
         result = plan(
             profile,
             stages=args.stages,
             microbatches=args.microbatches,
-            schedule=args.schedule,
+            schedule=args.schedule or DEFAULT_SCHEDULE,
             memory=args.memory,
             bandwidth=args.bandwidth,
             devices=args.devices,
@@ -77,7 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             cores=on.cores,
             overhead=on.overhead,
             virtual_stages=args.virtual_stages,
-            zero=args.zero,
+            zero=zero,
             reduce_scatter=args.reduce_scatter,
         )
     except InfeasibleError as error:
@@ -87,14 +97,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             message += f" -- smallest memory cap that fits: --memory {cap} ({format_bytes(cap)})"
         raise UsageError(f"infeasible: {message}") from None
     print(describe_plan(result))
-    if args.zero and any(len(stage.ranks) > 1 for stage in result.per_stage):
-        train = f"zero={args.zero}"
-        if args.zero >= 2:
+    if zero and any(len(stage.ranks) > 1 for stage in result.per_stage):
+        train = f"zero={zero}"
+        if zero >= 2:
             train += f", reduce_scatter={result.reduce_scatter!r}"
             print(f"reduce_scatter: {result.reduce_scatter} (gradients "
                   + ("sharded, a reduce-scatter per micro-batch)" if result.reduce_scatter
                      == "microbatch" else "whole during the step, one reduce-scatter)"))
-        print(f"memory: each replicated stage's share of what zero={args.zero} shards over its "
+        print(f"memory: each replicated stage's share of what zero={zero} shards over its "
               f"replicas; train with Pipeline(..., {train})")
     if args.output:
         save(result.to_json(), args.output)
@@ -106,15 +116,21 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     """``pipetrain plan``: its arguments."""
     p = sub.add_parser(
         "plan",
-        help="split a profiled model into pipeline stages",
-        description="Find the split with the least bottleneck under the memory cap and print "
-        "its predicted step. PROFILE: a JSON from `pipetrain profile`, a PipeDream graph.txt, "
-        "or pipedream:NAME for a bundled one (alexnet, vgg16, gnmt, resnet50, ...).",
+        help="split a profiled model into pipeline stages, or plan the whole run",
+        description="With --stages and --microbatches: find the split with the least "
+        "bottleneck under the memory cap and print its predicted step. Without either (with "
+        "--devices N --batch-size B): search the pipeline ranks x data-parallel copies, the "
+        "schedule, the micro-batch count and the ZeRO level for the fastest plan that fits, "
+        "honouring those fixed by --stages, --microbatches, --schedule or --zero. PROFILE: a "
+        "JSON from `pipetrain profile`, a PipeDream graph.txt, or pipedream:NAME for a bundled "
+        "one (alexnet, vgg16, gnmt, resnet50, ...).",
     )
     p.add_argument("profile")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=names())
+    p.add_argument("--stages", type=int,
+                   help="pipeline stages (in a search: ranks per copy of the pipeline)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step")
+    p.add_argument("--schedule", choices=names(),
+                   help=f"the schedule (default {DEFAULT_SCHEDULE}; in a search: every one)")
     p.add_argument("--memory", type=bytes_arg, help="per device, e.g. 16GiB")
     p.add_argument(
         "--devices",
@@ -124,10 +140,10 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--zero",
         type=int,
-        default=0,
         choices=[0, 1, 2, 3],
         help="what each replicated stage shards over its replicas, as Pipeline(zero=): 1 the "
-        "optimizer state, 2 also the gradients, 3 also the weights (default 0: nothing)",
+        "optimizer state, 2 also the gradients, 3 also the weights (default 0: nothing; in a "
+        "search: every level)",
     )
     p.add_argument(
         "--reduce-scatter",
@@ -148,4 +164,6 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_planning_options(p)
     p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.add_argument("--explain", action="store_true",
+                   help="in a search: also print the time-vs-memory frontier it searched")
     p.set_defaults(run=cmd_plan)

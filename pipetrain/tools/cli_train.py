@@ -77,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan, kwargs = _check(args)
     factory = import_factory(args.task)
     if not under_torchrun():
-        _task(args.task, factory, kwargs, plan, args.nproc or plan.pipeline_ranks)
+        _task(args.task, factory, kwargs, plan, _processes(args, plan))
         if args.checkpoint_dir is not None:  # an earlier run's checkpoints: refused here
             check_start(args.checkpoint_dir, args.resume, args.fresh)
         return _launch(args, plan)
@@ -91,6 +91,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         saved = f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""
         print(f"trained to step {args.steps}{ending}{saved}", flush=True)
     shutdown()
+
+
+def _processes(args: argparse.Namespace, plan: Plan) -> int:
+    """--nproc, else the plan's ranks in every copy of its pipeline."""
+    return int(args.nproc or plan.pipeline_ranks * plan.data_parallel)
 
 
 def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan: Plan,
@@ -115,7 +120,7 @@ def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan
 
 def _launch(args: argparse.Namespace, plan: Plan) -> int:
     """Run this very command under torchrun on this machine; its exit status."""
-    nproc = args.nproc or plan.pipeline_ranks
+    nproc = _processes(args, plan)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", f"--max-restarts={args.max_restarts}",

@@ -54,7 +54,9 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
     ``train_step`` saves every ``run.checkpoint_every`` steps there); the last step's loss
     (None when the checkpoint already held every step)."""
     replicas = world // plan.pipeline_ranks
-    options = {**task.options, **({"compile": True} if run.compile else {})}
+    planned = {"zero": plan.zero, "reduce_scatter": plan.reduce_scatter} \
+        if plan.zero and replicas > 1 else {}  # what the plan's memory counts
+    options = {**planned, **task.options, **({"compile": True} if run.compile else {})}
     pipe = Pipeline(task.model, plan=plan, loss_fn=task.loss_fn, optimizer=task.optimizer,
                     replicas=replicas, checkpoint_every=run.checkpoint_every, **options)
     folder = run.checkpoint_dir

@@ -557,3 +557,53 @@ def test_schedule_exports_a_csv_and_reads_it_back_or_refuses_it(tmp_path, capsys
     bad.write_text("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1RECV_F0,1B0,1SEND_B0\n")
     code, out, err = run(f"schedule --from-csv {bad}", capsys)
     assert code == 2 and "stage 1 does 1:F0 before 1:RECV_ACT0" in err
+
+
+def test_plan_without_stages_searches_the_whole_run(profile_path, tmp_path, capsys):
+    """Issue 48: `plan PROFILE --devices N --batch-size B --memory CAP` chooses the stages,
+    copies, schedule, micro-batches and zero; prints the plan, each other schedule's best and
+    what binds; its plan file is one Pipeline runs."""
+    from examples.models import resnet_like
+    from pipetrain.runtime.planning import load_plan
+
+    out_file = tmp_path / "p.json"
+    code, out, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --memory 1GB "
+                         f"--explain -o {out_file}", capsys)
+    assert code == 0, err
+    chosen = re.search(r"^chosen: (\S+), .*: step ([\d.]+) ms, peak .* per rank$", out, re.M)
+    assert chosen and re.search(r"^searched [\d,]+ points \(2 devices, batch 8\)", out, re.M)
+    planned = Plan.load(out_file)
+    assert planned.schedule == chosen.group(1)
+    assert planned.pipeline_ranks * planned.data_parallel == 2
+    assert planned.microbatches * planned.microbatch_size * planned.data_parallel == 8
+    assert f"step {planned.step_time * 1e3:.3f} ms" in out  # the plan's own table
+    assert "the best of each other schedule:" in out and "vs chosen" in out
+    for bound in ("memory: ", "devices: 2 in use", "batch: "):
+        assert re.search(f"^{bound}", out, re.M), bound
+    assert "frontier (no other planned point is both faster and lighter):" in out
+    assert not re.search(r"\b1 (stages|micro-batches|samples|copies)\b", out)
+    load_plan(planned, resnet_like(width=8))  # as Pipeline(plan=...) takes it
+
+
+def test_the_search_honours_fixed_choices(profile_path, capsys):
+    code, out, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --schedule gpipe "
+                         "--zero 0 --stages 2", capsys)
+    assert code == 0, err
+    assert re.search(r"^chosen: gpipe, 2 stages, \d+ micro-batch(es)? of \d+ samples?, "
+                     r"zero 0:", out, re.M)
+    assert "the best of each other schedule:" not in out  # one schedule searched
+    assert "memory: no cap given" in out
+
+
+def test_the_search_refuses_naming_the_constraint(profile_path, capsys):
+    code, _, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --memory 1kB", capsys)
+    assert code == 2 and "no point of the search fits the memory cap" in err
+    assert re.search(r"the least any needs is .*: pass --memory \d+ or more", err)
+    code, _, err = run(f"plan {profile_path} --devices 4 --batch-size 8 --stages 3", capsys)
+    assert code == 2 and "--stages 3 does not divide the 4 devices" in err
+    code, _, err = run(f"plan {profile_path} --devices 4 --batch-size 3 --stages 1", capsys)
+    assert code == 2 and "--batch-size" in err
+    code, _, err = run(f"plan {profile_path} --microbatches 4", capsys)
+    assert code == 2 and "--devices N and --batch-size B" in err
+    code, _, err = run(f"plan {profile_path} --stages 2 --microbatches 4 --explain", capsys)
+    assert code == 2 and "--explain" in err

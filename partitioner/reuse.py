@@ -1,0 +1,87 @@
+"""What a search over many plans reuses between them: the DP's splits, kept by the cost
+problem they solve, and a ceiling on the step time worth simulating.
+
+Schedules that hold as many micro-batches in flight on each stage pose the same problem (same
+costs, same memory), and so do the points of a search that differ only in what the split does
+not see; :class:`Splits` solves each once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import astuple
+
+import numpy as np
+
+from partitioner.costs import Problem, StageCost
+from partitioner.dp import Split, solve, split_of
+from partitioner.errors import InfeasibleError
+
+
+class Pruned(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """A plan was stopped before its simulation: its step floor (seconds) is over the
+    ceiling, so it cannot beat the plan the search holds."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__(f"its step is at least {floor * 1e3:.3f} ms")
+        self.floor = floor
+
+
+def _key(problem: Problem) -> tuple[object, ...]:
+    """The problem, hashable: arrays by their bytes."""
+    return tuple(
+        (v.dtype.str, v.tobytes()) if isinstance(v, np.ndarray) else v for v in astuple(problem)
+    )
+
+
+class Splits:
+    """The DP's solutions (or its refusals) kept by problem; ``ceiling``: seconds a plan's
+    step floor may reach before :func:`partitioner.plan` stops it (:class:`Pruned`)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[object, ...], Split | InfeasibleError] = {}
+        self.ceiling = math.inf
+        self.solved = 0  # DP runs, for the benchmark and --explain
+
+    def solve(self, problem: Problem) -> Split:
+        """:func:`partitioner.solve`, once per distinct problem."""
+        key = _key(problem)
+        found = self._found.get(key)
+        if found is None:
+            self.solved += 1
+            try:
+                found = solve(problem)
+            except InfeasibleError as error:
+                found = error
+            self._found[key] = found
+        if isinstance(found, InfeasibleError):
+            raise found
+        return split_of(problem, found.bounds, found.replicas)
+
+    def check(self, stages: tuple[StageCost, ...], ranks: list[list[int]], microbatches: int,
+              backward_chain: bool) -> None:
+        """Raise :class:`Pruned` when the split's :func:`step_floor` is over the ceiling."""
+        if self.ceiling < math.inf:
+            floor = step_floor(stages, ranks, microbatches, backward_chain)
+            if floor > self.ceiling:
+                raise Pruned(floor)
+
+
+def step_floor(stages: tuple[StageCost, ...], ranks: list[list[int]], microbatches: int,
+               backward_chain: bool) -> float:
+    """A floor under the simulated step of this split under any schedule with this
+    placement: no action of stage k or a later one can start before the first micro-batch's
+    forward has crossed stages 0..k-1, and stage k's rank runs all of its work on stages >= k
+    itself. With ``backward_chain`` (the backward whole, no W apart), all of that work ends by
+    stage k's last backward, after which that micro-batch's backward still crosses stages
+    k-1..0."""
+    floor = 0.0
+    before = after = 0.0
+    for k, stage in enumerate(stages):
+        rank = ranks[k][0]
+        own = sum(s.forward + s.backward for s, where in zip(stages[k:], ranks[k:], strict=True)
+                  if where[0] == rank)
+        floor = max(floor, before + microbatches * own + (after if backward_chain else 0.0))
+        before += stage.forward
+        after += stage.backward
+    return floor
