@@ -140,26 +140,30 @@ def _await_exits(
     return {r: ended.get(r, (None, until)) for r in ranks}
 
 
-def peer_name(rank: int, replicas: int) -> str:
-    """How errors name global rank ``rank`` of the job's 2-stage pipeline x ``replicas``."""
-    replica, stage = divmod(rank, 2)
+def peer_name(rank: int, replicas: int, stages: int = 2) -> str:
+    """How errors name global rank ``rank`` of the job's ``stages``-stage pipeline x
+    ``replicas``."""
+    replica, stage = divmod(rank, stages)
     return f"stage {stage}{f' of replica {replica}' if replicas > 1 else ''} (rank {rank})"
 
 
 def run_job(
     case: str, timeout: float = 3.0, seed: int | None = None, at: str | None = None,
-    replicas: int = 1,
+    replicas: int = 1, stages: int = 2, zero: int = 0,
 ) -> dict[int, Run]:
-    """One run of ``case`` on ``replicas`` replicas: start the job, hit a rank mid-training
-    (``at``: as it enters that place of fault_job.py's PLACES, so that its peers wait
-    there), time the others' exits; per surviving rank, how it ended."""
+    """One run of ``case`` on ``replicas`` replicas of ``stages`` stages sharded at ``zero``:
+    start the job, hit a rank mid-training (``at``: as it enters that place of fault_job.py's
+    PLACES, so that its peers wait there), time the others' exits; per surviving rank, how it
+    ended. The rank hit is the case's, of the world's (rank 1 of 2 processes)."""
     victim, sig = CASES[case]
-    extra = ["--replicas", str(replicas)]
+    world = stages * replicas
+    victim = min(victim, world - 1)
+    extra = ["--replicas", str(replicas), "--stages", str(stages), "--zero", str(zero)]
     extra += ["--hit", str(victim), sig.name[3:], at] if at else []
-    survivors = [r for r in range(2 * replicas) if r != victim]
+    survivors = [r for r in range(world) if r != victim]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        procs = _start(folder, timeout, _free_port(), extra, 2 * replicas)
+        procs = _start(folder, timeout, _free_port(), extra, world)
         try:
             hit = (_hit_by_itself(folder, procs, victim) if at
                    else _hit_from_outside(folder, procs, victim, sig, seed))
@@ -170,7 +174,7 @@ def run_job(
                     p.kill()
                 p.wait()
         errors = {r: _error_line((folder / f"rank{r}.err").read_text()) for r in survivors}
-    named = peer_name(victim, replicas)
+    named = peer_name(victim, replicas, stages)
     return {r: Run(code, when - hit, errors[r], named in errors[r])
             for r, (code, when) in ended.items()}
 
