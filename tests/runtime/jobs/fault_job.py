@@ -16,7 +16,9 @@ launches it);
 ``batch``, the first step's check of the batch (a gather); ``settings``, the start-up check of
 the settings (a gather, while the pipeline is built); ``gather``, the first forward of step
 WARMUP (zero 2 and 3: FSDP2's all-gather of the weights); ``zero-step``, the optimizer step of
-step WARMUP (zero 1: ZeroRedundancyOptimizer's broadcasts of the updated weights)."""
+step WARMUP (zero 1: ZeroRedundancyOptimizer's broadcasts of the updated weights);
+``groups``, the creation of the pipeline's process groups (placement.join); ``shutdown``,
+pipetrain.shutdown()'s barrier, training ending after WARMUP steps."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root
 
 import pipetrain  # noqa: E402
+from pipetrain.runtime import world  # noqa: E402
 from pipetrain.runtime.data_parallel import GradientSync  # noqa: E402
 from pipetrain.runtime.stage import Stage  # noqa: E402
 from pipetrain.runtime.world import ProcessWorld  # noqa: E402
@@ -49,6 +52,8 @@ PLACES = {  # where a rank hits itself: the method entered, on which call
     "settings": (ProcessWorld, "agree", 1),
     "gather": (Stage, "forward", CHUNKS * WARMUP + 1),
     "zero-step": (ZeroRedundancyOptimizer, "step", WARMUP + 1),
+    "groups": (world, "join", 1),
+    "shutdown": (pipetrain, "shutdown", 1),
 }
 
 parser = argparse.ArgumentParser()
@@ -59,6 +64,8 @@ parser.add_argument("--stages", type=int, default=2, choices=(1, 2))
 parser.add_argument("--zero", type=int, default=0)
 parser.add_argument("--hit", nargs=3, metavar=("RANK", "SIGNAL", "PLACE"))
 args = parser.parse_args()
+if args.hit and args.hit[2] == "shutdown":
+    args.steps = WARMUP
 
 
 def hit(rank: int, signal_name: str, place: str) -> None:
