@@ -18,7 +18,10 @@ running at ``timeout + 30`` s is killed and counted as a hang.
     nice -n 10 python benchmarks/fault_runs.py --runs 20 [--at-agree]
 
 ``--at-agree`` adds each case with the rank hit as it enters the step's agreement (it signals
-itself there), so that the other rank's wait is a collective's, not a receive's.
+itself there), so that the other rank's wait is a collective's, not a receive's. ``--zero 1 2
+3`` instead runs each case on 1 stage x 2 replicas sharded at each level, the rank hit as it
+enters the level's collective of torch's (ZERO_PLACES); ``--joins`` as it enters the creation
+of the pipeline's process groups or pipetrain.shutdown().
 :func:`run_job` also hits a rank of 2 replicas (4 processes) in the gradient all-reduce, or
 any rank in the start-up check of the settings or the first step's check of the batch
 (tests/runtime/test_faults.py).
@@ -38,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "runtime" / "jobs" / "fault_job.py"
@@ -46,6 +50,9 @@ CASES = {  # name: (the rank hit, its signal)
     "killed rank": (1, signal.SIGKILL),
 }
 WARMUP_STEPS = 3  # steps both ranks finish before the fault
+# where each ZeRO level runs a collective of torch's (fault_job.py's PLACES)
+ZERO_PLACES = {1: "zero-step", 2: "gather", 3: "gather"}
+JOINS = ("groups", "shutdown")  # where every rank waits for every other, beyond the steps
 _ERROR = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Timeout|Exception|Interrupt)\b.*?: ")
 
 
@@ -208,6 +215,17 @@ def _row(case: str, runs: list[Run], timeout: float) -> str:
             f"| {sum(r.named_peer for r in runs)}/{len(runs)} | {', '.join(seen)} |")
 
 
+def _settings(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """Per row of each case, its label's end and run_job's arguments."""
+    one_stage = {"replicas": 2, "stages": 1}
+    if args.zero:
+        return [(f", zero={z}", {"at": ZERO_PLACES[z], "zero": z, **one_stage})
+                for z in args.zero]
+    if args.joins:
+        return [(f", at {place}", {"at": place, **one_stage}) for place in JOINS]
+    return [("", {}), *([(", at the agreement", {"at": "agree"})] if args.at_agree else [])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
@@ -215,16 +233,20 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--at-agree", action="store_true",
                         help="also each case with the rank hit as it enters the agreement")
+    parser.add_argument("--zero", type=int, nargs="*", default=[], choices=list(ZERO_PLACES),
+                        help="instead each case sharded at these levels (1 stage x 2 replicas)")
+    parser.add_argument("--joins", action="store_true",
+                        help="instead each case at group creation and at shutdown")
     args = parser.parse_args()
     print(f"code: {ROOT}, Pipeline(timeout={args.timeout:g}), {args.runs} runs per case")
     print("| case | runs | exited non-zero within timeout + 10 s | exit time median / max (s) "
           "| named the peer's stage and rank | errors raised |")
     print("|---|---|---|---|---|---|")
-    for at_agree in (False, True) if args.at_agree else (False,):
+    for label, options in _settings(args):
         for case in args.cases:
-            runs = [run_case(case, args.timeout, i, at_agree) for i in range(args.runs)]
-            print(_row(f"{case}{', at the agreement' if at_agree else ''}", runs, args.timeout),
-                  flush=True)
+            runs = [r for i in range(args.runs)
+                    for r in run_job(case, args.timeout, i, **options).values()]
+            print(_row(f"{case}{label}", runs, args.timeout), flush=True)
             for r in runs:
                 if not (passed(r, args.timeout) and r.named_peer):
                     print(f"  failed run: exit {r.exit_code} after {r.exit_time:.1f} s: "

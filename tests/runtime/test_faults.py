@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import pipetrain
-from benchmarks.fault_runs import passed, run_case, run_job
+from benchmarks.fault_runs import JOINS, ZERO_PLACES, passed, run_case, run_job
 from pipetrain.errors import CommunicationTimeout, PipelineError, StageError
 from tests.runtime.harness import run_ranks
 from tests.runtime.models import batches, mlp, sgd
@@ -239,13 +239,14 @@ def test_ranks_that_built_different_pipelines_are_refused(what, named):
 
 
 # ZeRO's collectives are torch's own (sharding.py): the rank hit as it enters one, per level
-ZERO_PLACES = {1: ("zero-step", "ZeroRedundancyOptimizer's broadcast of the updated weights"),
-               2: ("gather", "FSDP2's all-gather of the sharded weights"),
-               3: ("gather", "FSDP2's all-gather of the sharded weights")}
+# (ZERO_PLACES), and how the error names it
+ZERO_COLLECTIVES = {1: "ZeroRedundancyOptimizer's broadcast of the updated weights (zero=1)",
+                    2: "FSDP2's all-gather of the sharded weights over the replicas (zero=2)",
+                    3: "FSDP2's all-gather of the sharded weights over the replicas (zero=3)"}
 # a kill ends at once: zero 1 and 3 (each mechanism once) stay in the fast run
 ZERO_CASES = [pytest.param(case, kind, zero, marks=() if (case, zero) in {
     ("killed rank", 1), ("killed rank", 3)} else pytest.mark.slow, id=f"{case}-zero{zero}")
-    for case, kind, _ in SCRIPT_CASES for zero in ZERO_PLACES]
+    for case, kind, _ in SCRIPT_CASES for zero in ZERO_COLLECTIVES]
 
 
 @pytest.mark.parametrize(("case", "kind", "zero"), ZERO_CASES)
@@ -256,12 +257,11 @@ def test_a_replica_lost_in_a_zero_collective_is_named_and_the_rank_exits(case, k
     timeout + 10 s (timeout=3), naming the replica's stage and rank and the collective.
     Before: torch's own error ("Connection closed by peer", "Application timeout caused pair
     closure"), naming no one."""
-    place, collective = ZERO_PLACES[zero]
-    (run,) = run_job(case, timeout=3, at=place, replicas=2, stages=1, zero=zero).values()
+    (run,) = run_job(case, timeout=3, at=ZERO_PLACES[zero], replicas=2, stages=1,
+                     zero=zero).values()
     assert passed(run, 3), run
     assert kind in run.error and run.named_peer, run.error
-    assert f"{collective} over the replicas (zero={zero})" in run.error or (
-        f"{collective} (zero=1)" in run.error), run.error
+    assert ZERO_COLLECTIVES[zero] in run.error, run.error
 
 
 @pytest.mark.slow  # 4 processes: about 25 s on 2 busy cores
@@ -278,9 +278,9 @@ def test_a_replica_killed_in_fsdp2s_all_gather_is_named_by_every_rank():
     assert "FSDP2's all-gather" in runs[3].error, runs[3].error
 
 
-# where a rank waits for every other beyond a pipeline's steps, and what its error names
-JOINS = {"groups": "creating the pipeline's process groups",
-         "shutdown": "pipetrain.shutdown()'s barrier"}
+# where a rank waits for every other beyond a pipeline's steps (JOINS): what its error names
+JOINED = {"groups": "creating the pipeline's process groups",
+          "shutdown": "pipetrain.shutdown()'s barrier"}
 
 
 @pytest.mark.parametrize(("case", "kind", "place"), [
@@ -295,7 +295,7 @@ def test_a_rank_that_never_joins_the_groups_or_the_shutdown_ends_the_others(case
     store wait, past the timeout) or the exit; torch's own errors, naming no one."""
     (run,) = run_job(case, timeout=3, at=place, replicas=2, stages=1).values()
     assert passed(run, 3), run
-    assert JOINS[place] in run.error, run.error
+    assert JOINED[place] in run.error, run.error
     if place == "groups":
         assert "CommunicationTimeout" in run.error and "start every rank with the same" \
             in run.error, run.error
