@@ -18,7 +18,10 @@ running at ``timeout + 30`` s is killed and counted as a hang.
     nice -n 10 python benchmarks/fault_runs.py --runs 20 [--at-agree]
 
 ``--at-agree`` adds each case with the rank hit as it enters the step's agreement (it signals
-itself there), so that the other rank's wait is a collective's, not a receive's.
+itself there), so that the other rank's wait is a collective's, not a receive's. ``--zero 1 2
+3`` instead runs each case on 1 stage x 2 replicas sharded at each level, the rank hit as it
+enters the level's collective of torch's (ZERO_PLACES); ``--joins`` as it enters the creation
+of the pipeline's process groups or pipetrain.shutdown().
 :func:`run_job` also hits a rank of 2 replicas (4 processes) in the gradient all-reduce, or
 any rank in the start-up check of the settings or the first step's check of the batch
 (tests/runtime/test_faults.py).
@@ -38,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "runtime" / "jobs" / "fault_job.py"
@@ -46,6 +50,9 @@ CASES = {  # name: (the rank hit, its signal)
     "killed rank": (1, signal.SIGKILL),
 }
 WARMUP_STEPS = 3  # steps both ranks finish before the fault
+# where each ZeRO level runs a collective of torch's (fault_job.py's PLACES)
+ZERO_PLACES = {1: "zero-step", 2: "gather", 3: "gather"}
+JOINS = ("groups", "shutdown")  # where every rank waits for every other, beyond the steps
 _ERROR = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Timeout|Exception|Interrupt)\b.*?: ")
 
 
@@ -140,26 +147,30 @@ def _await_exits(
     return {r: ended.get(r, (None, until)) for r in ranks}
 
 
-def peer_name(rank: int, replicas: int) -> str:
-    """How errors name global rank ``rank`` of the job's 2-stage pipeline x ``replicas``."""
-    replica, stage = divmod(rank, 2)
+def peer_name(rank: int, replicas: int, stages: int = 2) -> str:
+    """How errors name global rank ``rank`` of the job's ``stages``-stage pipeline x
+    ``replicas``."""
+    replica, stage = divmod(rank, stages)
     return f"stage {stage}{f' of replica {replica}' if replicas > 1 else ''} (rank {rank})"
 
 
 def run_job(
     case: str, timeout: float = 3.0, seed: int | None = None, at: str | None = None,
-    replicas: int = 1,
+    replicas: int = 1, stages: int = 2, zero: int = 0,
 ) -> dict[int, Run]:
-    """One run of ``case`` on ``replicas`` replicas: start the job, hit a rank mid-training
-    (``at``: as it enters that place of fault_job.py's PLACES, so that its peers wait
-    there), time the others' exits; per surviving rank, how it ended."""
+    """One run of ``case`` on ``replicas`` replicas of ``stages`` stages sharded at ``zero``:
+    start the job, hit a rank mid-training (``at``: as it enters that place of fault_job.py's
+    PLACES, so that its peers wait there), time the others' exits; per surviving rank, how it
+    ended. The rank hit is the case's, of the world's (rank 1 of 2 processes)."""
     victim, sig = CASES[case]
-    extra = ["--replicas", str(replicas)]
+    world = stages * replicas
+    victim = min(victim, world - 1)
+    extra = ["--replicas", str(replicas), "--stages", str(stages), "--zero", str(zero)]
     extra += ["--hit", str(victim), sig.name[3:], at] if at else []
-    survivors = [r for r in range(2 * replicas) if r != victim]
+    survivors = [r for r in range(world) if r != victim]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        procs = _start(folder, timeout, _free_port(), extra, 2 * replicas)
+        procs = _start(folder, timeout, _free_port(), extra, world)
         try:
             hit = (_hit_by_itself(folder, procs, victim) if at
                    else _hit_from_outside(folder, procs, victim, sig, seed))
@@ -170,7 +181,7 @@ def run_job(
                     p.kill()
                 p.wait()
         errors = {r: _error_line((folder / f"rank{r}.err").read_text()) for r in survivors}
-    named = peer_name(victim, replicas)
+    named = peer_name(victim, replicas, stages)
     return {r: Run(code, when - hit, errors[r], named in errors[r])
             for r, (code, when) in ended.items()}
 
@@ -204,6 +215,17 @@ def _row(case: str, runs: list[Run], timeout: float) -> str:
             f"| {sum(r.named_peer for r in runs)}/{len(runs)} | {', '.join(seen)} |")
 
 
+def _settings(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """Per row of each case, its label's end and run_job's arguments."""
+    one_stage = {"replicas": 2, "stages": 1}
+    if args.zero:
+        return [(f", zero={z}", {"at": ZERO_PLACES[z], "zero": z, **one_stage})
+                for z in args.zero]
+    if args.joins:
+        return [(f", at {place}", {"at": place, **one_stage}) for place in JOINS]
+    return [("", {}), *([(", at the agreement", {"at": "agree"})] if args.at_agree else [])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
@@ -211,16 +233,20 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--at-agree", action="store_true",
                         help="also each case with the rank hit as it enters the agreement")
+    parser.add_argument("--zero", type=int, nargs="*", default=[], choices=list(ZERO_PLACES),
+                        help="instead each case sharded at these levels (1 stage x 2 replicas)")
+    parser.add_argument("--joins", action="store_true",
+                        help="instead each case at group creation and at shutdown")
     args = parser.parse_args()
     print(f"code: {ROOT}, Pipeline(timeout={args.timeout:g}), {args.runs} runs per case")
     print("| case | runs | exited non-zero within timeout + 10 s | exit time median / max (s) "
           "| named the peer's stage and rank | errors raised |")
     print("|---|---|---|---|---|---|")
-    for at_agree in (False, True) if args.at_agree else (False,):
+    for label, options in _settings(args):
         for case in args.cases:
-            runs = [run_case(case, args.timeout, i, at_agree) for i in range(args.runs)]
-            print(_row(f"{case}{', at the agreement' if at_agree else ''}", runs, args.timeout),
-                  flush=True)
+            runs = [r for i in range(args.runs)
+                    for r in run_job(case, args.timeout, i, **options).values()]
+            print(_row(f"{case}{label}", runs, args.timeout), flush=True)
             for r in runs:
                 if not (passed(r, args.timeout) and r.named_peer):
                     print(f"  failed run: exit {r.exit_code} after {r.exit_time:.1f} s: "

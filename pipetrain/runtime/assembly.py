@@ -136,7 +136,9 @@ def assemble(
     shared = world.gradient_syncs(reduced, rank_ties, _joint(ties, schedule),
                                   per_version=schedule.asynchronous)
     if zero == 1 and group is not None and config.optimizer is not None:
-        config = replace(config, optimizer=zero_redundancy(config.optimizer, group))
+        named = world.replica_collectives()
+        assert named is not None, "a replica group comes with its waits"
+        config = replace(config, optimizer=zero_redundancy(config.optimizer, group, named))
     built = []
     for s in here:
         syncs: list[Sync]

@@ -20,7 +20,7 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from pipetrain.errors import CommunicationTimeout, PeerError
+from pipetrain.errors import CommunicationTimeout, PeerError, PipelineError
 from pipetrain.runtime.transport import DistributedTransport, is_timeout
 from schedules import Schedule
 
@@ -59,11 +59,25 @@ class Collectives:
     def call(self, what: str, groups: Sequence[dist.ProcessGroup], run: Callable[[], T]) -> T:
         """``run()``, a blocking collective ``what`` in ``groups``, each created with the
         pipeline's timeout (gloo bounds each operation by it: torch's object collectives take
-        no timeout of their own)."""
+        no timeout of their own). A PipelineError inside (an inner call's, named already)
+        passes as it is."""
         try:
             return run()
+        except PipelineError:
+            raise
         except RuntimeError as error:
             self.failed(error, what, groups)
+
+    def bounded(
+        self, what: str, groups: Sequence[dist.ProcessGroup], function: Callable[..., T]
+    ) -> Callable[..., T]:
+        """``function`` (one of torch's, running collective ``what`` in ``groups``: FSDP2's,
+        ZeroRedundancyOptimizer's) with each call's failure named as :meth:`call` names it."""
+
+        def named(*args: object, **options: object) -> T:
+            return self.call(what, groups, lambda: function(*args, **options))
+
+        return named
 
     def failed(
         self, error: RuntimeError, what: str, groups: Sequence[dist.ProcessGroup]
@@ -99,4 +113,4 @@ class Collectives:
 
     def named(self, ranks: Sequence[int]) -> str:
         """``ranks`` (global) as errors name them."""
-        return ", ".join(self.names[r] for r in sorted(set(ranks)))
+        return ", ".join(self.names.get(r, f"rank {r}") for r in sorted(set(ranks)))

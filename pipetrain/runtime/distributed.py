@@ -6,8 +6,10 @@ import atexit
 import faulthandler
 import os
 import sys
+import threading
+import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import NoReturn
@@ -15,10 +17,15 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from pipetrain.errors import CommunicationTimeout, PipelineError
+
 _OWN_CORES = False  # set by pin_to_cores: this rank has processors no other local rank uses
 _IO_THREAD = "gloo_tcp_loop"
 EXIT_WAIT = 5.0  # seconds a process whose pipeline failed across processes may take to exit
 _EXIT_BOUNDED = False  # set by bound_exit
+# how shutdown waits for its barrier: the longest timeout of this process's pipelines, and
+# their wait, which names the peers (set by bound_shutdown; None: the group's own timeout)
+_SHUTDOWN_WAIT: tuple[float, Callable[[dist.Work], None]] | None = None
 
 
 def init_distributed(
@@ -56,9 +63,13 @@ def init_distributed(
 
 
 def shutdown(exit_code: int = 0) -> NoReturn:
-    """End a torchrun script: wait until every rank gets here (within the group's timeout),
-    run the exit handlers (atexit: traces, the user's own), flush the standard streams and end
-    the process with ``exit_code``, without tearing the process groups down. Call it last.
+    """End a torchrun script: wait until every rank gets here, run the exit handlers (atexit:
+    traces, the user's own), flush the standard streams and end the process with
+    ``exit_code``, without tearing the process groups down. Call it last, on every rank.
+
+    The wait is bounded by the longest timeout of this process's pipelines (else by the
+    group's own): a peer that never gets here (it died, hangs, or trains on) ends it with an
+    error naming the peer (printed), and the process with status 1.
 
     Why: the teardown at the process's end at times aborted a rank whose training had
     succeeded ("terminate called without an active exception", SIGABRT), in about 1 run of 6
@@ -66,11 +77,50 @@ def shutdown(exit_code: int = 0) -> NoReturn:
     first; torchrun then reports the job as failed. Ending the process directly skips that
     teardown; the barrier makes sure no peer still needs this rank."""
     if dist.is_initialized():
-        dist.barrier()
+        work = dist.barrier(async_op=True)
+        try:
+            if _SHUTDOWN_WAIT is None:
+                work.wait()
+            else:
+                timeout, wait = _SHUTDOWN_WAIT
+                with exit_if_stuck(timeout + EXIT_WAIT, CommunicationTimeout(
+                        f"pipetrain.shutdown()'s barrier did not end {timeout + EXIT_WAIT:g} "
+                        "s after its timeout (a peer hosting the store stopped?)")):
+                    wait(work)
+        except PipelineError as error:
+            traceback.print_exception(error)
+            exit_code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(exit_code)
+
+
+def bound_shutdown(timeout: float, wait: Callable[[dist.Work], None]) -> None:
+    """Have :func:`shutdown` wait for its barrier with ``wait`` (a pipeline's, bounded by its
+    ``timeout`` and naming the peers), unless a pipeline of this process waits longer."""
+    global _SHUTDOWN_WAIT
+    if _SHUTDOWN_WAIT is None or _SHUTDOWN_WAIT[0] < timeout:
+        _SHUTDOWN_WAIT = (timeout, wait)
+
+
+@contextmanager
+def exit_if_stuck(seconds: float, error: Exception) -> Iterator[None]:
+    """End the process with status 1, printing ``error``, if the block is still running
+    after ``seconds``: for a wait of torch's that no timeout bounds (a store client awaiting
+    a stopped store host's answer, in C++), which nothing else could end."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            print("".join(traceback.format_exception_only(error)), file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=watch, name="pipetrain-exit-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def bound_exit() -> None:

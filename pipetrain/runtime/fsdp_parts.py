@@ -10,6 +10,7 @@ error naming the part, the torch and what runs instead, not an AttributeError mi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +61,29 @@ def reduce_unused_weights(module: nn.Module) -> None:
         if isinstance(part, FSDPModule):
             for group in param_groups(state(part)):
                 group.post_backward = _zero_filling(group, private(group, "post_backward"))
+
+
+# FSDP2's parameter-group methods that run or wait for its collectives: the all-gather of the
+# weights (issued, awaited), the reduce-scatter of the gradients (issued; awaited at the end)
+COLLECTIVES = {
+    "unshard": "FSDP2's all-gather of the sharded weights",
+    "wait_for_unshard": "FSDP2's all-gather of the sharded weights",
+    "post_backward": "FSDP2's reduce-scatter of the gradients",
+    "finalize_backward": "FSDP2's reduce-scatter of the gradients",
+}
+
+
+def name_collective_failures(
+    module: nn.Module, bounded: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Replace each collective method of COLLECTIVES of every FSDP2 parameter group under
+    ``module`` by ``bounded(what, method)`` (what the collective is, the method), which names
+    the replica lost in it (collectives.Collectives.bounded)."""
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            for group in param_groups(state(part)):
+                for name, what in COLLECTIVES.items():
+                    setattr(group, name, bounded(what, private(group, name)))
 
 
 def _zero_filling(group: Any, post_backward: Any) -> Any:

@@ -15,6 +15,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from pipetrain.errors import CommunicationTimeout
+from pipetrain.runtime.distributed import EXIT_WAIT, bound_exit, exit_if_stuck
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -81,7 +84,8 @@ def join(
     timeout: float,
 ) -> tuple[Placement, Groups]:
     """Place this process among ``ranks`` pipeline ranks per replica and build the groups
-    (one per set of ranks sharing a weight too); clear errors for a world of the wrong size."""
+    (one per set of ranks sharing a weight too); clear errors for a world of the wrong size,
+    and for a rank that does not take part in creating the groups within ``timeout``."""
     if not dist.is_initialized():
         raise RuntimeError(
             "no process group: call pipetrain.init_distributed() under torchrun, or pass "
@@ -93,7 +97,37 @@ def join(
         raise ValueError(_wrong_world(world, ranks, replicas))
     replicas = replicas or world // ranks
     me = members.index(dist.get_rank())
-    span = timedelta(seconds=timeout)
+    replica, rank = divmod(me, ranks)
+    stuck = CommunicationTimeout(_not_joined(members, timeout, (
+        f"torch's wait on the rendezvous store went on {EXIT_WAIT:g} s past it: the store's "
+        "host, rank 0 under torchrun, may be the rank that stopped")))
+    try:
+        with exit_if_stuck(timeout + EXIT_WAIT, stuck):
+            return Placement((rank,), replica, replicas), _new_groups(
+                members, ranks, replicas, tied_rank_sets, timedelta(seconds=timeout), me)
+    except RuntimeError as error:  # DistStoreError, gloo's: a rank did not get there
+        bound_exit()  # the groups half made may hold the exit
+        raise CommunicationTimeout(_not_joined(members, timeout, str(error))) from error
+
+
+def _not_joined(members: list[int], timeout: float, error: str) -> str:
+    """Why creating the groups of ``members`` failed (``error``: torch's words)."""
+    return (
+        f"rank {dist.get_rank()}: creating the pipeline's process groups (every rank of "
+        f"{members} creates each, in the same order, while building its Pipeline) did not "
+        f"complete within timeout={timeout:g} s: a rank never got there. It died, hangs, "
+        "failed before building its Pipeline (see its log) or builds one with another "
+        "balance, replicas or schedule; start every rank with the same script and settings, "
+        f"or raise Pipeline(timeout=...) if one is only slow to get there. ({error})"
+    )
+
+
+def _new_groups(
+    members: list[int], ranks: int, replicas: int, tied_rank_sets: Sequence[tuple[int, ...]],
+    span: timedelta, me: int,
+) -> Groups:
+    """The groups of :func:`join` for the process at index ``me`` of ``members``, each
+    created with the timeout ``span``."""
     pipelines = [dist.new_group(members[k * ranks : (k + 1) * ranks], timeout=span)
                  for k in range(replicas)]
     columns = [dist.new_group(members[r::ranks], timeout=span) for r in range(ranks)] \
@@ -106,11 +140,10 @@ def join(
     # default, 600 s, a collective stuck on a stopped peer would wait out at exit)
     every = dist.new_group(members, timeout=span) if replicas > 1 else None
     replica, rank = divmod(me, ranks)
-    groups = Groups(
+    return Groups(
         global_ranks=members[replica * ranks : (replica + 1) * ranks],
         pipeline=pipelines[replica],
         replicas=columns[rank] if columns else None,
         every=every or pipelines[replica],
         ties={s: g for s, g in ties.items() if rank in s},
     )
-    return Placement((rank,), replica, replicas), groups

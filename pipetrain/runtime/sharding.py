@@ -62,10 +62,12 @@ Timeouts. torch runs the collectives of ZeroRedundancyOptimizer (zero 1: its bro
 backward and :meth:`ShardedGradients._reduce`) itself, and waits for them with no timeout of
 the call's: each is bounded only by its process group's, so they run in the replica group of
 placement.py, created with the pipeline's timeout (not the caller's, init_distributed's 600 s
-by default). A stopped replica makes them raise torch's own error within that timeout (and
-the rank stops its peers, executor.py), without naming the replica; the presence all-reduce
-of ``finish``, ours, names it (collectives.py), as the gradient all-reduce of zero 0 and 1
-does.
+by default). A replica that stops or dies makes them raise torch's own error within that
+timeout, naming no one; each method of torch's that runs them (``step``; FSDP2's parameter
+groups' all-gathers and reduce-scatters, fsdp_parts.COLLECTIVES) is wrapped so that its
+failure is raised as the presence all-reduce of ``finish`` and the gradient all-reduce of
+zero 0 and 1 raise theirs (collectives.Collectives.bounded): a CommunicationTimeout or
+PeerError naming the replica's stage and rank, after stopping every peer.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from pipetrain.checkpoints.checkpointing import WholeState
 from pipetrain.runtime import readback
 from pipetrain.runtime.fsdp_parts import (
     all_states,
+    name_collective_failures,
     param_groups,
     private,
     reduce_unused_weights,
@@ -153,20 +156,42 @@ def sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def zero_redundancy(factory: OptimizerFactory, group: dist.ProcessGroup) -> OptimizerFactory:
+def zero_redundancy(
+    factory: OptimizerFactory, group: dist.ProcessGroup, collectives: Collectives
+) -> OptimizerFactory:
     """The optimizer of ``factory`` with its state sharded over ``group`` (zero=1): torch's
-    ZeroRedundancyOptimizer of the same class, parameter groups and settings."""
+    ZeroRedundancyOptimizer of the same class, parameter groups and settings, its step's
+    broadcasts failing as ``collectives`` name a lost replica (module docstring)."""
 
     def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         plain = factory(params)
         accepted = inspect.signature(type(plain).__init__).parameters
         defaults = {k: v for k, v in plain.defaults.items() if k in accepted}
         groups = [dict(g) for g in plain.param_groups]
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=type(plain), process_group=group, **defaults
+        return _NamedZeroRedundancy(
+            groups, optimizer_class=type(plain), process_group=group,
+            collectives=collectives, **defaults,
         )
 
     return build
+
+
+class _NamedZeroRedundancy(ZeroRedundancyOptimizer):
+    """torch's ZeroRedundancyOptimizer, a failure of its step's broadcasts raised naming the
+    lost replica (``collectives``, module docstring). A subclass, not a wrapped ``step``: an
+    LR scheduler wraps the step it finds, a bound method."""
+
+    def __init__(self, *args: Any, collectives: Collectives, **options: Any):
+        self._collectives = collectives
+        super().__init__(*args, **options)
+
+    def step(self, closure: Any = None, **options: Any) -> Any:  # torch's overloads: any
+        """torch's step, its failure named."""
+        step = super().step
+        return self._collectives.call(
+            "ZeroRedundancyOptimizer's broadcast of the updated weights (zero=1)",
+            [self.process_group], lambda: step(closure, **options),
+        )
 
 
 @dataclass(frozen=True)
@@ -243,6 +268,8 @@ class ShardedGradients:
                         for leaf, p in owner._parameters.items() if p is not None and sharded(p)}
         self.group, self.device, self.collectives = group, device, collectives
         reduce_unused_weights(module)  # the same reduce-scatters on every replica
+        name_collective_failures(module, lambda what, method: collectives.bounded(
+            f"{what} over the replicas (zero={zero})", [group], method))
         self._weights: list[Any] = list({  # FSDP2's FSDPParam of each sharded weight, once
             id(weight): weight for part in module.modules() if isinstance(part, FSDPModule)
             for param_group in param_groups(state(part))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from pipetrain.errors import StageError
+from pipetrain.errors import PeerError, StageError
 from pipetrain.runtime.stage_module import Cuts, LayerRun, StageModule, alias
 from pipetrain.training.precision import autocast, to_boundary
 
@@ -155,10 +155,11 @@ class StageSlice:
     @contextmanager
     def reporting(self, step: str | Callable[[], str], microbatch: int) -> Iterator[None]:
         """Raise what fails inside as a StageError naming this stage, ``step`` (a callable:
-        named once it failed) and the micro-batch; a StageError passes as it is."""
+        named once it failed) and the micro-batch; a StageError passes as it is, and so does a
+        PeerError (a collective of the layers' own with a lost replica, collectives.py)."""
         try:
             yield
-        except StageError:
+        except (StageError, PeerError):
             raise
         except Exception as error:
             name = step() if callable(step) else step

@@ -27,7 +27,7 @@ from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
 from pipetrain.runtime.collectives import Collectives, rank_names
 from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync, VersionSync
-from pipetrain.runtime.distributed import local_device, quiet_io_threads
+from pipetrain.runtime.distributed import bound_shutdown, local_device, quiet_io_threads
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
 from pipetrain.runtime.tags import CLOCK_TAG
@@ -318,6 +318,8 @@ class ProcessWorld(World):
                                          self.placement.replicas),
             self.timeout,
         )
+        bound_shutdown(self.timeout, lambda work: self.collectives.wait(
+            work, "pipetrain.shutdown()'s barrier (every rank calls it, last)", user))
 
     def device(self, rank: int) -> torch.device:
         return self._device

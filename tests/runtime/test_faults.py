@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import pipetrain
-from benchmarks.fault_runs import passed, run_case, run_job
+from benchmarks.fault_runs import JOINS, ZERO_PLACES, passed, run_case, run_job
 from pipetrain.errors import CommunicationTimeout, PipelineError, StageError
 from tests.runtime.harness import run_ranks
 from tests.runtime.models import batches, mlp, sgd
@@ -236,3 +236,68 @@ def test_ranks_that_built_different_pipelines_are_refused(what, named):
     assert status == "error" and kind == "ValueError", message
     assert "rank 0 and rank 1 built different pipelines" in message and named in message, message
     assert results[1][0] == "error", results[1]
+
+
+# ZeRO's collectives are torch's own (sharding.py): the rank hit as it enters one, per level
+# (ZERO_PLACES), and how the error names it
+ZERO_COLLECTIVES = {1: "ZeroRedundancyOptimizer's broadcast of the updated weights (zero=1)",
+                    2: "FSDP2's all-gather of the sharded weights over the replicas (zero=2)",
+                    3: "FSDP2's all-gather of the sharded weights over the replicas (zero=3)"}
+# a kill ends at once: zero 1 and 3 (each mechanism once) stay in the fast run
+ZERO_CASES = [pytest.param(case, kind, zero, marks=() if (case, zero) in {
+    ("killed rank", 1), ("killed rank", 3)} else pytest.mark.slow, id=f"{case}-zero{zero}")
+    for case, kind, _ in SCRIPT_CASES for zero in ZERO_COLLECTIVES]
+
+
+@pytest.mark.parametrize(("case", "kind", "zero"), ZERO_CASES)
+def test_a_replica_lost_in_a_zero_collective_is_named_and_the_rank_exits(case, kind, zero):
+    """1 stage x 2 replicas sharded at ``zero``, one replica SIGSTOPped (rank 0, the store's
+    host) or SIGKILLed (rank 1) as it enters ZeroRedundancyOptimizer's step (zero 1) or the
+    step's first forward (zero 2 and 3: FSDP2's all-gather): the other exits non-zero within
+    timeout + 10 s (timeout=3), naming the replica's stage and rank and the collective.
+    Before: torch's own error ("Connection closed by peer", "Application timeout caused pair
+    closure"), naming no one."""
+    (run,) = run_job(case, timeout=3, at=ZERO_PLACES[zero], replicas=2, stages=1,
+                     zero=zero).values()
+    assert passed(run, 3), run
+    assert kind in run.error and run.named_peer, run.error
+    assert ZERO_COLLECTIVES[zero] in run.error, run.error
+
+
+@pytest.mark.slow  # 4 processes: about 25 s on 2 busy cores
+def test_a_replica_killed_in_fsdp2s_all_gather_is_named_by_every_rank():
+    """2 stages x 2 replicas at zero 3, stage 1 of replica 0 (rank 1) SIGKILLed as it enters
+    the step's first forward: the 3 other processes exit non-zero within timeout + 10 s, each
+    naming stage 1 and rank 1 (its pipeline peer as its sender, the others as the replica
+    lost in the all-gather, or that replica's reason)."""
+    runs = run_job("killed rank", timeout=3, at="gather", replicas=2, zero=3)
+    for rank, run in runs.items():
+        assert passed(run, 3), (rank, run)
+        assert "PeerError" in run.error and "stage 1" in run.error, (rank, run.error)
+        assert "(rank 1)" in run.error, (rank, run.error)
+    assert "FSDP2's all-gather" in runs[3].error, runs[3].error
+
+
+# where a rank waits for every other beyond a pipeline's steps (JOINS): what its error names
+JOINED = {"groups": "creating the pipeline's process groups",
+          "shutdown": "pipetrain.shutdown()'s barrier"}
+
+
+@pytest.mark.parametrize(("case", "kind", "place"), [
+    pytest.param(case, kind, place, id=f"{case}-{place}",
+                 marks=() if (case, place) == ("killed rank", "shutdown") else pytest.mark.slow)
+    for case, kind, _ in SCRIPT_CASES for place in JOINS])
+def test_a_rank_that_never_joins_the_groups_or_the_shutdown_ends_the_others(case, kind, place):
+    """2 processes (1 stage x 2 replicas), one SIGSTOPped (the store's host) or SIGKILLed as
+    it enters the creation of the pipeline's groups or pipetrain.shutdown(): the other exits
+    non-zero within timeout + 10 s (timeout=3), its error saying what it waited for and the
+    fix; at shutdown, naming the peer. Before: after a stop, a hang in the creation (torch's
+    store wait, past the timeout) or the exit; torch's own errors, naming no one."""
+    (run,) = run_job(case, timeout=3, at=place, replicas=2, stages=1).values()
+    assert passed(run, 3), run
+    assert JOINED[place] in run.error, run.error
+    if place == "groups":
+        assert "CommunicationTimeout" in run.error and "start every rank with the same" \
+            in run.error, run.error
+    else:
+        assert kind in run.error and run.named_peer, run.error

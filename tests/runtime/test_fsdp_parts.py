@@ -61,3 +61,25 @@ def test_each_part_is_there_and_a_weight_without_gradient_is_reduced(one_rank_gr
         assert param.grad is not None, f"{name}: no gradient reduced"
     assert all(torch.count_nonzero(p.grad.full_tensor()) == 0 for p in unused.parameters())
     assert torch.count_nonzero(model[0].weight.grad.full_tensor()) > 0
+
+
+def test_each_collective_method_named_is_there_and_wrapped(one_rank_group):
+    """fsdp_parts.COLLECTIVES (the methods whose failures ZeRO 2 and 3 name the lost replica
+    by) are methods of this torch's parameter groups, and every call of theirs in a step goes
+    through the wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    for layer in model:
+        fully_shard(layer, mesh=one_rank_group)
+    fully_shard(model, mesh=one_rank_group)
+    seen: list[str] = []
+
+    def bounded(what, method):
+        def wrapped(*args, **options):
+            seen.append(what)
+            return method(*args, **options)
+        return wrapped
+
+    fsdp_parts.name_collective_failures(model, bounded)
+    model(torch.randn(5, 3)).sum().backward()
+    assert set(seen) == set(fsdp_parts.COLLECTIVES.values()), seen
