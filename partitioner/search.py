@@ -34,7 +34,7 @@ from partitioner.plans import Host, Plan
 from partitioner.profile import Profile
 from partitioner.reuse import Pruned, Splits
 from partitioner.units import format_bytes, parse_bandwidth, parse_bytes
-from schedules import lookup, names
+from schedules import DEFAULT_SCHEDULE, lookup, names
 
 
 @dataclass(frozen=True)
@@ -358,11 +358,13 @@ def _pruned(point: Point, floor: float) -> Candidate:
                      pruned=True)
 
 
-def rank_key(c: Candidate) -> tuple[float, int, int, int, int]:
+def rank_key(c: Candidate) -> tuple[float, int, int, int, int, int]:
     """Fastest first; ties: the lower ZeRO level, less memory, fewer stages, fewer
-    micro-batches."""
+    micro-batches, then the default schedule, then the others by name."""
     assert c.plan is not None
-    return (c.plan.step_time, c.zero, peak_memory(c.plan), c.stages, c.microbatches)
+    order = [DEFAULT_SCHEDULE, *sorted(set(names()) - {DEFAULT_SCHEDULE})]
+    return (c.plan.step_time, c.zero, peak_memory(c.plan), c.stages, c.microbatches,
+            order.index(c.schedule) if c.schedule in order else len(order))
 
 
 def best_per_schedule(found: Sequence[Candidate]) -> dict[str, Candidate]:

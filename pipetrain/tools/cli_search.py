@@ -88,7 +88,7 @@ def chosen_lines(best: Candidate) -> list[str]:
     ranks = best.plan.pipeline_ranks
     run = f"pipetrain train ... --plan PLAN.json starts {ranks * p.data_parallel} processes"
     if p.data_parallel > 1:
-        run += f" ({ranks} pipeline ranks x {p.data_parallel} copies)"
+        run += f" ({ranks} pipeline rank{'s' * (ranks != 1)} x {p.data_parallel} copies)"
     return [f"chosen: {p.describe()}: step {ms(best.plan.step_time)} ms, peak "
             f"{format_bytes(peak_memory(best.plan))} per rank", run]
 

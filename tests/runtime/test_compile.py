@@ -166,7 +166,7 @@ def test_pipetrain_train_compile_reaches_the_pipeline(monkeypatch):
     monkeypatch.setattr(task_module, "Pipeline", pipeline)
     train_task = pipetrain.TrainTask(mlp(), nn.functional.cross_entropy, sgd,
                                      lambda step: batches(1)[0], {"compile": False})
-    plan = type("Plan", (), {"pipeline_ranks": 2})()
+    plan = type("Plan", (), {"pipeline_ranks": 2, "zero": 0, "reduce_scatter": "step"})()
     with pytest.raises(Stop):
         task_module.train(train_task, plan, task_module.Run(1, compile=True), 2, 0)
     assert given["compile"] is True
