@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pipetrain
+from pipetrain.training.lazy import is_meta
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -222,7 +223,7 @@ def gpt(
         layers += [Block(dim, heads, dropout) for _ in range(blocks)]
         layers.append(Head(embedding, tied))
     model = nn.Sequential(*layers)
-    if not pipetrain.training.lazy.is_meta(model):
+    if not is_meta(model):
         pipetrain.init_layers(model, seed)
     torch.manual_seed(seed)  # the same generator state after an eager and a meta build
     return model

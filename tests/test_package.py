@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import FunctionType
 
+import pytest
 from setuptools.config.pyprojecttoml import read_configuration
 
 import pipetrain
@@ -47,6 +48,19 @@ def test_import_pipetrain_leaves_the_planners_dependencies_unloaded():
         "print(sorted(m for m in ('pulp', 'networkx') if m in sys.modules))\n"
     )
     assert out.splitlines() == ["[]", "['networkx', 'pulp']"]
+
+
+def test_import_pipetrain_loads_torch_only_when_a_name_needs_it():
+    """`import pipetrain` leaves torch unloaded (planning runs without it) yet dir() lists
+    every public name; each loads on first use, and an unknown one is an AttributeError."""
+    out = _python("import sys, pipetrain\n"
+                  "print('torch' in sys.modules, set(pipetrain.__all__) <= set(dir(pipetrain)))\n"
+                  "pipetrain.Pipeline\nprint('torch' in sys.modules)\n")
+    assert out.splitlines() == ["False True", "True"]
+    assert all(getattr(pipetrain, name) is not None for name in pipetrain.__all__)
+    assert pipetrain.optim.__name__ == "pipetrain.optim"
+    with pytest.raises(AttributeError, match="no attribute 'Pipe'"):
+        pipetrain.Pipe  # noqa: B018
 
 
 def test_version_from_the_package_metadata_and_the_command_line(capsys):

@@ -19,15 +19,8 @@ import torch
 from torch import nn
 
 from partitioner import Profile, format_bytes
-from pipetrain.tools.cli_common import (
-    PROG,
-    UsageError,
-    import_factory,
-    ints,
-    json_kwargs,
-    ms,
-    save,
-)
+from pipetrain.tools.cli_common import PROG, UsageError, ints, json_kwargs, ms, save
+from pipetrain.tools.cli_models import import_factory
 from pipetrain.tools.meta_profile import profile
 from pipetrain.tools.profiler import ProfileNoiseWarning, noise_message
 

@@ -18,7 +18,8 @@ from partitioner import Plan
 from pipetrain.checkpoints.restart import check_start
 from pipetrain.runtime.distributed import init_distributed, shutdown
 from pipetrain.runtime.planning import load_plan
-from pipetrain.tools.cli_common import import_factory, json_kwargs
+from pipetrain.tools.cli_common import json_kwargs
+from pipetrain.tools.cli_models import import_factory
 from pipetrain.tools.task import Run, TrainTask, check_batch, train, under_torchrun
 
 

@@ -1,6 +1,7 @@
 """The `pipetrain` command: profile -> plan -> simulate, infeasible caps, PipeDream profiles and
 bad input. Commands run in-process through ``main(argv)`` (the exit status is its return value),
-except one run through ``python -m pipetrain`` to check the real entry point and status."""
+except one run through ``python -m pipetrain`` to check the real entry point and status, and
+the planning commands run by a Python that cannot import torch."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from partitioner import Plan, Profile, format_bytes
 from partitioner.costs import held_weight_bytes, problem_from_profile
 from partitioner.pipedream import DATA_DIR
 from pipetrain.runtime.planning import layer_signature
-from pipetrain.tools.cli import main
+from pipetrain.tools.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "examples.models:resnet_like"
@@ -318,6 +319,70 @@ def test_module_entry_point_exit_status(tmp_path):
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+WITHOUT_TORCH = """
+import sys
+from importlib.abc import MetaPathFinder
+
+
+class NoTorch(MetaPathFinder):
+    \"\"\"torch and transformers missing, as on a laptop that only plans.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def _without_torch(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh Python that cannot import torch or transformers."""
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + code], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+def test_planning_commands_run_without_torch(profile_path, tmp_path):
+    """The README's promise: `pipetrain plan`, `simulate` and `schedule` never import torch,
+    so they run where it is not installed; `import pipetrain` works there too, and a name
+    that needs torch says so when used."""
+    plan_path = tmp_path / "plan.json"
+    done = _without_torch(
+        "from pipetrain.tools.cli import main\n"
+        f"assert main(['plan', {str(profile_path)!r}, '--stages', '2', '--microbatches', '4', "
+        f"'--memory', '1GiB', '-o', {str(plan_path)!r}]) == 0\n"
+        f"assert main(['simulate', {str(plan_path)!r}]) == 0\n"
+        "assert main(['schedule', 'zbv', '--stages', '4', '--ranks', '2', "
+        "'--microbatches', '4']) == 0\n"
+        "assert main(['--help']) == 0\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n",
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Plan.load(plan_path).stages == 2
+    assert "layers -> 2 stages, balance" in done.stdout  # the plan, printed
+    assert "bubble" in done.stdout and "zbv: 4 stages on 2 ranks" in done.stdout
+    assert "profile" in done.stdout and "consolidate" in done.stdout  # every command listed
+    assert done.stdout.splitlines()[-1] == "False False"
+    done = _without_torch(
+        "import pipetrain\n"
+        "print(pipetrain.__version__ != '', pipetrain.PipelineError.__name__)\n"
+        "try:\n    pipetrain.Pipeline\n"
+        "except ImportError as error:\n    print(type(error).__name__, error)\n",
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "True PipelineError"
+    assert done.stdout.splitlines()[1].startswith("ModuleNotFoundError pipetrain.Pipeline needs "
+                                                  "torch")
+
+
+def test_the_command_list_is_each_commands_own():
+    """``pipetrain --help`` lists every command with cli.py's line for it, which imports no
+    command's module: the lines are the ones the modules' own parsers give."""
+    assert build_parser().format_help() == build_parser([]).format_help()
+
+
 def test_trace_and_consolidate_verbs(tmp_path, capsys):
 
     from pipetrain import Pipeline
@@ -581,7 +646,8 @@ def test_plan_without_stages_searches_the_whole_run(profile_path, tmp_path, caps
     for bound in ("memory: ", "devices: 2 in use", "batch: "):
         assert re.search(f"^{bound}", out, re.M), bound
     assert "frontier (no other planned point is both faster and lighter):" in out
-    assert not re.search(r"\b1 (stages|micro-batches|samples|copies)\b", out)
+    # a count of 1 takes the singular (a figure such as "4.1 samples/s" is no count)
+    assert not re.search(r"(?<![\w.,])1 (stages|micro-batches|samples|copies)\b", out)
     load_plan(planned, resnet_like(width=8))  # as Pipeline(plan=...) takes it
 
 
