@@ -164,24 +164,25 @@ def print_sample(model: nn.Module, args: argparse.Namespace) -> None:
 
 
 def make_plan(model: nn.Sequential, args: argparse.Namespace, stages: int,
-              size: int) -> partitioner.Plan:
+              size: int, replicas: int) -> partitioner.Plan:
     """Profile ``model`` on one micro-batch of ``size`` windows and plan ``stages`` stages (as
-    1F1B: see the module's docstring), timing with one thread as each stage will run."""
+    1F1B: see the module's docstring) in ``replicas`` copies, timing with one thread as each
+    stage will run."""
     tokens = torch.randint(0, 256, (size, args.context), generator=torch.Generator().manual_seed(0))
     profile = pipetrain.profile(model, tokens, optimizer="adamw", warmup=1, repeats=3)
     return partitioner.plan(profile, stages=stages, microbatches=args.chunks, schedule="1f1b",
-                            cores=torch.get_num_threads() * stages)
+                            cores=torch.get_num_threads() * stages, data_parallel=replicas)
 
 
 def shared_plan(model: nn.Sequential, args: argparse.Namespace, ranks: int,
-                size: int) -> partitioner.Plan:
-    """The first rank's plan for pipelines of ``ranks`` ranks, on every rank (each rank
-    profiling on its own could split differently)."""
+                size: int, replicas: int) -> partitioner.Plan:
+    """The first rank's plan for ``replicas`` pipelines of ``ranks`` ranks, on every rank (each
+    rank profiling on its own could split differently)."""
     stages = 2 * ranks if args.schedule == "interleaved" else ranks
     box: list[str | None] = [None]
     if dist.get_rank() == 0:
         start = time.perf_counter()
-        box[0] = make_plan(model, args, stages, size).to_json()
+        box[0] = make_plan(model, args, stages, size, replicas).to_json()
         print(f"profiled and planned in {time.perf_counter() - start:.1f} s", flush=True)
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
@@ -269,7 +270,7 @@ def train_pipelined(args: argparse.Namespace) -> None:
     replicas = world // ranks
     batch_layout(args, plan, replicas)
     size = args.batch // (replicas * args.chunks)  # windows per micro-batch
-    plan = plan or shared_plan(model, args, ranks, size)
+    plan = plan or shared_plan(model, args, ranks, size, replicas)
     schedule = args.schedule or plan.schedule
     pipe = pipetrain.Pipeline(
         model, plan=plan, schedule=schedule, chunks=args.chunks, replicas=replicas,

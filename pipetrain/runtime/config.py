@@ -1,18 +1,19 @@
 """Pipeline's options resolved once: a plan's choices merged with the caller's, defaults filled
 in, every combination the runtime cannot run refused with the fix. ``Pipeline`` builds one
 ``PipelineConfig`` first and then only reads it; where the stages run (devices, process group,
-replicas) is not part of it. Each option is declared, defaulted and checked alone in
-pipetrain/runtime/options.py; here its combinations with the others and the plan are (a
-schedule's own defaults are its entry in schedules/registry.py), and it is turned into the
-numbers the parts use: a stage gets where its recomputation stops, its loss divisor and its autocast
-dtype, not the options to derive them from.
+replicas) is not part of it, except a plan's copies of the pipeline (``planned_replicas``).
+Each option is declared, defaulted and checked alone in pipetrain/runtime/options.py; here its
+combinations with the others and the plan are (a schedule's own defaults are its entry in
+schedules/registry.py), and it is turned into the numbers the parts use: a stage gets where its
+recomputation stops, its loss divisor and its autocast dtype, not the options to derive them
+from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -87,6 +88,7 @@ class PipelineConfig:
     loss_scaling: bool  # fp16's dynamic loss scale (pipetrain/training/precision.py)
     planned_ranks: int | None  # the ranks the plan places its stages on, when it decides that
     planned_microbatch: int | None  # the plan's micro-batch size: its times are for it
+    planned_replicas: int | None  # the plan's copies of the pipeline: the world's replicas
     lists: Schedule | None  # the lists given as schedule=, unless the registry builds them
 
     def stage_recompute(self, stage: int) -> str:
@@ -169,13 +171,14 @@ class PipelineConfig:
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``: the options
         the config holds (options.py) are taken from ``options``, the others ignored."""
-        values = checked("config", renamed(options))
+        given = renamed(options)
+        values = checked("config", given)
         plan = values.pop("plan")
-        values["planned_ranks"] = values["planned_microbatch"] = None
+        values["planned_ranks"] = values["planned_microbatch"] = values["planned_replicas"] = None
         if plan is not None:
             plan = load_plan(plan, model)
             values["planned_microbatch"] = plan.microbatch_size
-            balance = _from_plan(plan, balance, values)
+            balance = _from_plan(plan, balance, values, given)
         if balance is None:
             raise ValueError("say how to split the model: pass balance=[...] or plan=...")
         values["lists"] = None
@@ -235,10 +238,26 @@ def _of_stage(value: T | tuple[T, ...], stage: int) -> T:
     return value[stage] if isinstance(value, tuple) else value
 
 
-def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]) -> list[int]:
+PLANNED: tuple[tuple[str, str, str, Callable[[Any, int], str]], ...] = (
+    # option, the Plan field holding it, the config field taking it, the search's arguments
+    # planning for a value (with so many ranks per pipeline)
+    ("zero", "zero", "zero", lambda value, ranks: f"--devices N --batch-size B --zero {value}"),
+    ("reduce_scatter", "reduce_scatter", "reduce_scatter",
+     lambda value, ranks: f"--devices N --batch-size B --reduce-scatter {value}"),
+    ("replicas", "data_parallel", "planned_replicas",
+     lambda value, ranks: f"--devices {ranks * value} --batch-size B --stages {ranks}"),
+)
+"""Options a plan sets: its memory and step time are predicted for them, so a different value
+given too is refused, as a different balance is."""
+
+
+def _from_plan(
+    plan: Plan, balance: Sequence[int] | None, values: dict[str, Any], given: Mapping[str, Any]
+) -> list[int]:
     """The plan's balance (a different one is refused); its micro-batch count, schedule and
     per-stage recomputation modes put in ``values`` where the caller left them out, and the ranks
-    it runs the stages on when its schedule is the one in force."""
+    it runs the stages on when its schedule is the one in force; its zero level, reduce-scatter
+    mode and copies of the pipeline (``planned_replicas``) unless ``given`` contradicts them."""
     if balance is not None and list(balance) != plan.balance:
         raise ValueError(f"balance {list(balance)} contradicts the plan's {plan.balance}; pass one")
     values["chunks"] = plan.microbatches if values["chunks"] is None else values["chunks"]
@@ -246,6 +265,23 @@ def _from_plan(plan: Plan, balance: Sequence[int] | None, values: dict[str, Any]
     values["recompute"] = values["recompute"] or plan.checkpoints
     if values["schedule"] == plan.schedule:
         values["planned_ranks"] = plan.pipeline_ranks
+    for option, field, taken, flags in PLANNED:
+        planned, value = getattr(plan, field), given.get(option)
+        if value not in (None, planned):
+            again = flags(value, plan.pipeline_ranks)
+            raise ValueError(
+                f"{option}={value!r} contradicts the plan's {field} {planned!r}, which its "
+                f"memory and step time are predicted for: leave {option}= out to run the "
+                f"plan's, or plan for {option}={value!r} (`pipetrain plan PROFILE {again}`)"
+            )
+        values[taken] = planned
+    if plan.data_parallel > 1 and given.get("devices") is not None:
+        raise ValueError(
+            f"the plan runs {plan.data_parallel} copies of its pipeline, a process per rank, but "
+            "devices= runs one copy in this process: start its "
+            f"{plan.pipeline_ranks * plan.data_parallel} processes (`pipetrain train`, or "
+            "torchrun) without devices=, or plan for one copy"
+        )
     return plan.balance
 
 

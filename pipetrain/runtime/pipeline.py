@@ -78,8 +78,11 @@ class Pipeline:
             out when ``plan`` gives it.
         plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
             and the schedule, micro-batch count and each stage's recomputation mode unless those
-            are passed too. A plan made for another model is refused; a first step whose
-            micro-batches differ from the plan's profiled size warns once.
+            are passed too; its ``zero`` level, ``reduce_scatter`` mode and copies of the
+            pipeline (``data_parallel``: ``replicas``), which its memory and step time are
+            predicted for, so a different one passed too is refused. A plan made for another
+            model is refused; a first step whose micro-batches differ from the plan's profiled
+            size warns once.
         chunks: micro-batches per mini-batch (default 1, or the plan's); the batch size must be
             a multiple of it.
         schedule: the schedule's name in schedules/registry.py, or its lists (a
@@ -140,21 +143,23 @@ class Pipeline:
         devices: one device per rank to run every stage in this process; None (default) runs
             this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
         group: the process group of the job (default: the whole world).
-        replicas: data-parallel copies of the pipeline (default: world size / ranks per
-            pipeline).
+        replicas: data-parallel copies of the pipeline (default: the plan's
+            ``data_parallel``, else world size / ranks per pipeline); the world must be ranks
+            per pipeline x replicas processes.
         timeout: seconds a stage waits for a peer before it raises CommunicationTimeout
             (default 300).
         zero: what each stage's data-parallel replicas shard among them (ZeRO,
-            pipetrain/runtime/sharding.py): 0 nothing (default), 1 the optimizer state, 2 also
-            the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without replicas
-            there is nothing to shard and it changes nothing. Checkpoints hold whole tensors;
-            ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2 and 3.
+            pipetrain/runtime/sharding.py): 0 nothing (default, or the plan's), 1 the optimizer
+            state, 2 also the gradients, 3 also the weights (torch's FSDP2 for 2 and 3). Without
+            replicas there is nothing to shard and it changes nothing. Checkpoints hold whole
+            tensors; ``pipe.module.state_dict()`` holds each stage's shards (DTensors) at 2
+            and 3.
         reduce_scatter: when zero 2 and 3 reduce-scatter each stage's gradients: "step"
-            (default) once per mini-batch, after the stage's last backward (or W): one
-            collective, but a step holds the stage's whole gradients until then; "microbatch"
-            after every backward (or W), as FSDP2 does by default: a rank holds only its
-            shard of the gradients accumulated, at a reduce-scatter per micro-batch. The
-            parameters are the same (the sums in another order). Refused at zero 0 and 1.
+            (default, or the plan's) once per mini-batch, after the stage's last backward (or
+            W): one collective, but a step holds the stage's whole gradients until then;
+            "microbatch" after every backward (or W), as FSDP2 does by default: a rank holds
+            only its shard of the gradients accumulated, at a reduce-scatter per micro-batch.
+            The parameters are the same (the sums in another order). Refused at zero 0 and 1.
         init_seed: the per-layer initialization rule's seed (pipetrain/training/lazy.py): layer i is
             seeded from it and i, then ``init(layer)`` or its modules' ``reset_parameters()``
             run. Needed for a meta-device model without ``weights``; on an eagerly built model
@@ -229,7 +234,9 @@ class Pipeline:
         self.timeout, self.recompute, self.precision = (
             config.timeout, config.recompute, config.precision
         )
-        self.world = make_world(**checked("world", options), timeout=config.timeout)
+        placing = checked("world", options)
+        placing["replicas"] = config.planned_replicas or placing["replicas"]  # the plan's copies
+        self.world = make_world(**placing, timeout=config.timeout)
         ranks = self.world.pipeline_ranks(config.spec, len(self.balance))
         config.check_ranks(ranks, placed=self.world.placed)
         self.schedule = config.lists or build(

@@ -23,14 +23,17 @@ def layer_signature(model: nn.Sequential) -> tuple[list[str], list[int]]:
 
 
 def load_plan(plan: str | os.PathLike[str] | Plan, model: nn.Sequential) -> Plan:
-    """The plan (read from JSON if a path), refused unless it was made for ``model``."""
+    """The plan (read from JSON if a path), refused unless it was made for ``model`` and runs
+    each stage on one rank per copy of the pipeline (its ``data_parallel`` copies run)."""
     if not isinstance(plan, Plan):
         plan = Plan.load(Path(plan))
     plan.check_model(*layer_signature(model))
     if any(len(plan.ranks(s)) != 1 for s in range(plan.stages)):
         raise ValueError(
-            "this plan replicates stages in data parallel, which Pipeline does not run yet; "
-            "plan with as many devices as stages (`pipetrain plan --stages N` without --devices)"
+            "this plan replicates single stages in data parallel, which Pipeline does not run "
+            "yet; plan copies of the whole pipeline instead (`pipetrain plan PROFILE --devices N "
+            "--batch-size B`, its data_parallel), or as many devices as stages (`pipetrain plan "
+            "--stages N` without --devices)"
         )
     return plan
 

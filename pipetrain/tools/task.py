@@ -8,7 +8,7 @@ calls it in each, and trains with the plan's split, schedule and micro-batches.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner import Plan
 from pipetrain.checkpoints.restart import start_or_resume
@@ -53,12 +53,10 @@ def train(task: TrainTask, plan: Plan, run: Run, world: int, rank: int) -> float
     saving in ``run.checkpoint_dir`` (Pipeline's own: :func:`start_or_resume` decides, then
     ``train_step`` saves every ``run.checkpoint_every`` steps there); the last step's loss
     (None when the checkpoint already held every step)."""
-    replicas = world // plan.pipeline_ranks
-    planned = {"zero": plan.zero, "reduce_scatter": plan.reduce_scatter} \
-        if plan.zero and replicas > 1 else {}  # what the plan's memory counts
-    options = {**planned, **task.options, **({"compile": True} if run.compile else {})}
-    pipe = Pipeline(task.model, plan=plan, loss_fn=task.loss_fn, optimizer=task.optimizer,
-                    replicas=replicas, checkpoint_every=run.checkpoint_every, **options)
+    replicas = world // plan.pipeline_ranks  # --nproc's copies in place of the plan's
+    options = {**task.options, **({"compile": True} if run.compile else {})}
+    pipe = Pipeline(task.model, plan=replace(plan, data_parallel=replicas), loss_fn=task.loss_fn,
+                    optimizer=task.optimizer, checkpoint_every=run.checkpoint_every, **options)
     folder = run.checkpoint_dir
     resumed = start_or_resume(pipe, folder, run.resume, run.fresh) if folder is not None else None
     if rank == 0 and resumed is not None:

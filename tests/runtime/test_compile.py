@@ -17,6 +17,8 @@ that compile more than one model are marked slow.
 
 from __future__ import annotations
 
+from dataclasses import make_dataclass
+
 import pytest
 import torch
 from torch import nn
@@ -166,7 +168,7 @@ def test_pipetrain_train_compile_reaches_the_pipeline(monkeypatch):
     monkeypatch.setattr(task_module, "Pipeline", pipeline)
     train_task = pipetrain.TrainTask(mlp(), nn.functional.cross_entropy, sgd,
                                      lambda step: batches(1)[0], {"compile": False})
-    plan = type("Plan", (), {"pipeline_ranks": 2, "zero": 0, "reduce_scatter": "step"})()
+    plan = make_dataclass("Plan", [("pipeline_ranks", int), ("data_parallel", int)])(2, 1)
     with pytest.raises(Stop):
         task_module.train(train_task, plan, task_module.Run(1, compile=True), 2, 0)
     assert given["compile"] is True

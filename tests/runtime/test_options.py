@@ -18,7 +18,8 @@ from pipetrain.runtime.config import PipelineConfig
 from pipetrain.runtime.options import OPTIONS, RENAMED, PipelineOptions, checked
 from schedules.registry import RECOMPUTE_MODES, recompute_below
 
-DERIVED = ["autocast_dtype", "loss_scaling", "planned_ranks", "planned_microbatch", "lists"]
+DERIVED = ["autocast_dtype", "loss_scaling", "planned_ranks", "planned_microbatch",
+           "planned_replicas", "lists"]
 
 
 def mlp() -> nn.Sequential:

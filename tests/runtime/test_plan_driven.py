@@ -1,7 +1,9 @@
 """A plan file drives the runtime: profile a real model, plan it, and train it from the plan in
-one process (a thread per stage) and across two gloo processes; the parameters must equal
-single-process training (max abs diff 1e-5, as in test_distributed.py). A plan made for another
-model is refused, naming the difference."""
+one process (a thread per stage), across two gloo processes, and as a search's plan of 2 copies
+of the pipeline at zero 2 across four; the parameters must equal single-process training (max
+abs diff 1e-5, as in test_distributed.py and test_zero.py: micro-batches and replicas only
+change the order in which a mini-batch's gradients are summed). A plan made for another model
+is refused, naming the difference, and so are options that contradict the plan."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import pipetrain
 from examples.models import resnet_like
 from partitioner import PlanMismatchError
 from partitioner import plan as make_plan
+from pipetrain.runtime.config import PipelineConfig
 from tests.runtime.harness import run_ranks, values
 
 TOLERANCE = 1e-5
@@ -58,10 +62,10 @@ def plan_path(tmp_path_factory, measured):
     return path
 
 
-def reference() -> tuple[dict, list[float]]:
+def reference(steps: int = STEPS) -> tuple[dict, list[float]]:
     net, losses = model(), []
     opt = sgd(net.parameters())
-    for x, y in data():
+    for x, y in data(steps):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
@@ -238,3 +242,87 @@ def test_training_the_planned_micro_batches_is_silent(plan_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.train_step(*data(1)[0])
+
+
+@pytest.fixture(scope="module")
+def copies_path(tmp_path_factory, measured):
+    """A plan as the search makes one: 2 stages in 2 copies of the pipeline at zero 2,
+    reduce-scattering per micro-batch; each copy trains 2 micro-batches of BATCH // CHUNKS
+    samples, half of every mini-batch."""
+    planned = make_plan(measured, stages=2, microbatches=2, schedule="1f1b", zero=2,
+                        reduce_scatter="microbatch", data_parallel=2)
+    path = tmp_path_factory.mktemp("copies") / "plan.json"
+    planned.save(path)
+    return path
+
+
+def _train_a_copy(rank: int, world: int, path: str) -> dict:
+    """One step of this rank's copy on its half of the mini-batch: the whole parameters after
+    it, what the pipeline resolved, and its stage's parameter elements here and in all."""
+    pipe = pipetrain.Pipeline(
+        model(), plan=path, loss_fn=nn.functional.cross_entropy, optimizer=sgd, timeout=60
+    )
+    x, y = data(1)[0]
+    share = BATCH // pipe.placement.replicas
+    rows = slice(pipe.placement.replica * share, (pipe.placement.replica + 1) * share)
+    loss = pipe.train_step(x[rows], y[rows])
+    params = list(pipe.stages[0].module.parameters())
+    return {
+        "state": {k: v.full_tensor() if isinstance(v, DTensor) else v
+                  for k, v in pipe.module.state_dict().items()},
+        "loss": float(loss),
+        "resolved": (pipe.config.zero, pipe.config.reduce_scatter, pipe.placement.replicas),
+        "local": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+        "whole": sum(p.numel() for p in params),
+    }
+
+
+def test_a_plan_of_copies_at_zero_2_trains_as_one_process(copies_path):
+    """4 gloo processes from the plan alone: it runs 2 replicas at zero 2, reduce-scattering
+    per micro-batch, each rank holding a shard of its stage's weights, and its step gives the
+    parameters and loss of one process training the whole mini-batch."""
+    per_rank = values(run_ranks(_train_a_copy, 4, str(copies_path), deadline=240))
+    expected_state, (expected_loss,) = reference(steps=1)
+    for result in per_rank:
+        assert result["resolved"] == (2, "microbatch", 2)
+        assert result["local"] < result["whole"]  # sharded over the 2 replicas
+        assert result["loss"] == pytest.approx(expected_loss, abs=1e-6)
+    state = {**per_rank[0]["state"], **per_rank[1]["state"]}  # replica 0's two stages
+    assert_same_state({k: state[k] for k in expected_state}, expected_state)
+    for replica in per_rank[2:]:
+        for key, value in replica["state"].items():
+            assert (value - state[key]).abs().max().item() <= TOLERANCE, key
+
+
+def _join_too_few(rank: int, world: int, path: str) -> None:
+    pipetrain.Pipeline(model(), plan=path, timeout=60)
+
+
+def test_a_world_of_other_than_the_plans_processes_is_refused(copies_path):
+    for status, (kind, message, _) in run_ranks(_join_too_few, 2, str(copies_path), deadline=90):
+        assert status == "error" and kind == "ValueError"
+        assert "world size 2 does not match the 2 stages of balance x 2 replicas" in message
+        assert "launch 4 processes" in message
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"zero": 0}, r"zero=0 contradicts the plan's zero 2, .*leave zero= out to run the plan's, "
+     r"or plan for zero=0 \(`pipetrain plan PROFILE --devices N --batch-size B --zero 0`\)"),
+    ({"zero": 2, "reduce_scatter": "step"}, r"reduce_scatter='step' contradicts the plan's "
+     r"reduce_scatter 'microbatch'.*--reduce-scatter step"),
+    ({"replicas": 4}, r"replicas=4 contradicts the plan's data_parallel 2, .*"
+     r"`pipetrain plan PROFILE --devices 8 --batch-size B --stages 2`"),
+    ({"devices": ["cpu", "cpu"]}, r"the plan runs 2 copies of its pipeline, a process per "
+     r"rank, but devices= runs one copy in this process: start its 4 processes"),
+])
+def test_options_contradicting_the_plans_copies_and_zero_are_refused(copies_path, options,
+                                                                     message):
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig.resolve(model(), plan=copies_path, **options)
+
+
+def test_options_agreeing_with_the_plan_are_taken_and_left_out_are_the_plans(copies_path):
+    agreed = PipelineConfig.resolve(model(), plan=copies_path, zero=2, replicas=2,
+                                    reduce_scatter="microbatch")
+    assert agreed == PipelineConfig.resolve(model(), plan=copies_path)
+    assert (agreed.zero, agreed.reduce_scatter, agreed.planned_replicas) == (2, "microbatch", 2)
