@@ -21,6 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.runtime.assembly import split
 from pipetrain.runtime.data_parallel import tied_parameters
 from pipetrain.runtime.stage import (
@@ -30,7 +31,6 @@ from pipetrain.runtime.stage import (
     Stage,
     StageOptions,
 )
-from pipetrain.runtime.stage_module import keyed, positions
 from pipetrain.training.compensation import AUTO, DelayCompensation, parse_option
 from pipetrain.training.weights import stage_versions
 from schedules import build, lookup
@@ -48,7 +48,7 @@ class DelayedPipeline:
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Sequential | LayerTree,
         balance: list[int],
         *,
         schedule: str = "pipedream",
@@ -61,6 +61,7 @@ class DelayedPipeline:
         clip_grad_norm: float | None = None,
         lags: Sequence[int] | None = None,
     ):
+        model = layer_tree(model, "DelayedPipeline")
         if lags is None:
             lags = build(schedule, len(balance), len(balance)).lag or (0,) * len(balance)
         elif len(lags) != len(balance) or min(lags) < 0 or lags[0] != max(lags):
@@ -117,9 +118,8 @@ class DelayedPipeline:
         self.losses: list[float] = []  # per unit, in order, as the last stage computed them
 
     @property
-    def module(self) -> nn.Sequential:
-        layers = [layer for stage in self.stages for layer in positions(stage.module)]
-        return keyed(nn.Sequential, layers)
+    def module(self) -> LayerTree:
+        return LayerTree(kv for stage in self.stages for kv in stage.module.positions())
 
     def train_step(self, x: object, y: object) -> None:
         """Feed one unit; run every tick it makes possible."""

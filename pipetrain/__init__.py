@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what _LAZY loads, for type checkers
     from pipetrain import optim
     from pipetrain.checkpoints.checkpointing import consolidate
     from pipetrain.checkpoints.restart import restarted, start_or_resume
+    from pipetrain.layer_tree import LayerTree
     from pipetrain.observe.progress import Progress
     from pipetrain.runtime.distributed import init_distributed, shutdown
     from pipetrain.runtime.pipeline import Pipeline
@@ -43,6 +44,7 @@ _LAZY = {  # public name -> the module that defines it (or is it, for optim); th
     "consolidate": "pipetrain.checkpoints.checkpointing",
     "restarted": "pipetrain.checkpoints.restart",
     "start_or_resume": "pipetrain.checkpoints.restart",
+    "LayerTree": "pipetrain.layer_tree",
     "Progress": "pipetrain.observe.progress",
     "init_distributed": "pipetrain.runtime.distributed",
     "shutdown": "pipetrain.runtime.distributed",
@@ -89,6 +91,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationTimeout",
     "DelayCompensation",
+    "LayerTree",
     "NonFiniteError",
     "PeerError",
     "Pipeline",

@@ -1,11 +1,12 @@
-"""A Hugging Face causal LM as an ``nn.Sequential`` keyed exactly as the model.
+"""A Hugging Face causal LM as pipetrain's layers, named by their paths in the model.
 
-``sequential(model)`` lays a ``*ForCausalLM`` out as pipetrain's layers: the embedding (token
-embedding, and GPT-2's position table), one layer per decoder block, the final norm, the output
-head. Each layer is registered under the dotted path of its part in the model ("model",
-"model.layers.0", ..., "model.norm", "lm_head"), and a block's layer holds the block's own
-parameters at its top level, so ``state_dict()`` has the model's keys, in its order: an HF
-checkpoint loads into it and a pipeline's checkpoint is an HF checkpoint's contents.
+``sequential(model)`` lays a ``*ForCausalLM`` out as a LayerTree (pipetrain/layer_tree.py)
+whose layers are the model's own modules under their own paths: the modules before the blocks
+("model.embed_tokens"; GPT-2's "transformer.wte", "transformer.wpe", "transformer.drop"), one
+layer per decoder block ("model.layers.0", ...), the final norm ("model.norm"), the output head
+("lm_head"). So ``state_dict()`` has the model's keys: an HF checkpoint loads into it and a
+pipeline's checkpoint is an HF checkpoint's contents. How each layer is called on what crosses
+a stage boundary is its glue (:class:`Embed`, :class:`Block`, ...), outside the parameter tree.
 
 What crosses a stage boundary is the flat tuple ``(hidden_states, attention_mask,
 position_ids)``: the 2-D padding mask (1 for a token, 0 for padding) and the positions travel
@@ -42,16 +43,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipetrain.hf import compat
 from pipetrain.hf.cache import OneLayer, cache_argument, stage_cache
 from pipetrain.hf.layout import HubLayout
+from pipetrain.layer_tree import Glue, LayerTree
 from pipetrain.runtime.decoding import DecodeState
-from pipetrain.runtime.stage_module import KeyedLayers, keyed
 
 Boundary = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # hidden, mask, positions
 
 
-class CausalLMLayers(KeyedLayers):
-    """The layers of a Hugging Face causal LM, keyed as the model (see the module docstring);
-    a slice keeps the keys. ``checkpoint_layout``: how its hub checkpoints' keys become its
-    own (pipetrain/hf/layout.py)."""
+class CausalLMLayers(LayerTree):
+    """The layers of a Hugging Face causal LM, named as in the model (see the module
+    docstring); a slice keeps the names. ``checkpoint_layout``: how its hub checkpoints' keys
+    become its own (pipetrain/hf/layout.py)."""
 
     checkpoint_layout: HubLayout
 
@@ -81,7 +82,7 @@ def sequential(model: Any) -> CausalLMLayers:
         )
     _refuse_extras(config)
     (base_name, base), (head_name,) = bases[0], heads
-    embedding, layers_name, norm_name, rotary = _parts(model, config, base)
+    before, layers_name, norm_name, rotary = _parts(model, config, base)
     positions = Positions(rotary, base.config) if rotary is not None else None
     shared = Shared()
     blocks = getattr(base, layers_name)
@@ -89,16 +90,20 @@ def sequential(model: Any) -> CausalLMLayers:
     if old is not None:
         raise old
     _refuse_block_inputs(blocks)
-    layers: list[tuple[str, nn.Module]] = [(base_name, embedding)]
+    layers: list[tuple[str, nn.Module]] = []
+    glue: dict[str, Glue] = {}
+    for index, name in enumerate(before):
+        layers.append((f"{base_name}.{name}", getattr(base, name)))
+        glue[f"{base_name}.{name}"] = (Embed() if index == 0 else AddPositions()
+                                       if name == "wpe" else OnHidden())
     for index, block in enumerate(blocks):
-        layers.append((
-            f"{base_name}.{layers_name}.{index}",
-            Block(block, *_mask_function(config, index, base), config, positions,
-                  (index, _layer_type(config, index)), shared),
-        ))
-    layers.append((f"{base_name}.{norm_name}", Norm(getattr(base, norm_name))))
+        layers.append((f"{base_name}.{layers_name}.{index}", block))
+        glue[layers[-1][0]] = Block(*_mask_function(config, index, base), config, positions,
+                                    (index, _layer_type(config, index)), shared, block)
+    layers.append((f"{base_name}.{norm_name}", getattr(base, norm_name)))
+    glue[layers[-1][0]] = Final()
     layers.append((head_name, head))
-    made = keyed(CausalLMLayers, layers)
+    made = CausalLMLayers(layers, glue)
     made.checkpoint_layout = HubLayout(model)
     _make_unsaved(model, made)
     compat.rebuild_buffers(base.config, blocks)
@@ -107,19 +112,18 @@ def sequential(model: Any) -> CausalLMLayers:
 
 def _parts(
     model: Any, config: Any, base: nn.Module,
-) -> tuple[Embedding, str, str, nn.Module | None]:
-    """Where to cut ``base``: its embedding layer, the names of its block stack and final
-    norm, its rotary module, from the config's ``base_model_pp_plan`` (embedding entries, the
-    blocks, the norm) or GPT-2's modules; refused, saying what the plan holds and lacks."""
+) -> tuple[list[str], str, str, nn.Module | None]:
+    """Where to cut ``base``: the names of its modules before the blocks (the token embedding
+    first), of its block stack and final norm, and its rotary module, from the config's
+    ``base_model_pp_plan`` (embedding entries, the blocks, the norm) or GPT-2's modules;
+    refused, saying what the plan holds and lacks."""
     plan = list(getattr(config, "base_model_pp_plan", None) or ())
     stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(stacks) == 1 and plan.index(stacks[0]) == len(plan) - 2:
         # what comes before the blocks: the token embedding, then (Phi) its dropout
-        embedding = Embedding({n: getattr(base, n) for n in plan[:-2]})
-        return embedding, plan[-2], plan[-1], getattr(base, "rotary_emb", None)
+        return plan[:-2], plan[-2], plan[-1], getattr(base, "rotary_emb", None)
     if not plan and all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2
-        gpt2 = Embedding({n: getattr(base, n) for n in ("wte", "wpe", "drop")})
-        return gpt2, "h", "ln_f", None
+        return ["wte", "wpe", "drop"], "h", "ln_f", None
     if not plan:
         why = "its config declares no base_model_pp_plan and it is not GPT-2"
     elif len(stacks) != 1:
@@ -175,7 +179,7 @@ def _make_unsaved(model: Any, layers: nn.Module) -> None:
         fresh = {n: torch.empty_like(b, device="cpu") for n, b in metas.items()}
         module._buffers.update(fresh)
         with torch.no_grad():
-            compat.init_weights(model, module.inner if isinstance(module, View) else module)
+            compat.init_weights(model, module)
         for name, tensor in fresh.items():
             if tensor._version == 0:
                 module._buffers[name] = metas[name]
@@ -189,7 +193,7 @@ def initializer(model: Any) -> Callable[[nn.Module], None]:
 
     def init(layer: nn.Module) -> None:
         for module in layer.modules():
-            compat.init_weights(model, module.inner if isinstance(module, View) else module)
+            compat.init_weights(model, module)
 
     return init
 
@@ -236,62 +240,52 @@ def _inputs(value: object) -> Boundary:
     return ids, mask, positions
 
 
-class Embedding(nn.Module):
-    """The first layer: the base model's modules before its blocks, under their own names (so
-    its keys are "model.embed_tokens.weight" or "transformer.wte.weight", ...): the token
-    embedding first, GPT-2's "wpe" adding the learned positions, then the others in order
-    (dropout)."""
+class Embed:
+    """The token embedding's glue: the first stage's input (see :func:`_inputs`) in, the
+    boundary tuple out."""
 
-    def __init__(self, parts: dict[str, nn.Module]):
-        super().__init__()
-        for name, part in parts.items():
-            self.add_module(name, part)
+    def __call__(self, layer: nn.Module, value: object) -> Boundary:
+        ids, mask, positions = _inputs(value)
+        return layer(ids), mask, positions
 
-    def forward(self, value: object) -> Boundary:
-        return self._embed(*_inputs(value))
-
-    def decode(self, value: Boundary, state: DecodeState) -> Boundary:
+    def decode(self, layer: nn.Module, value: Boundary, state: DecodeState) -> Boundary:
         """A generation step: the new tokens (batch, new), the mask of the whole sequence
         (batch, past + new) and the new tokens' positions (pipetrain/runtime/decoding.py)."""
-        return self._embed(*value)
-
-    def _embed(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Boundary:
-        tokens, *rest = self._modules.items()
-        hidden = tokens[1](ids)  # type: ignore[misc]
-        for name, part in rest:
-            if name == "wpe":
-                hidden = hidden + part(positions)  # type: ignore[misc]
-            else:
-                hidden = part(hidden)  # type: ignore[misc]
-        return hidden, mask, positions
-
-    def _load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
-    ) -> None:
-        """Check only this layer's own keys: the later layers' keys share its prefix
-        ("model.layers.0..." under "model.") and are theirs to load."""
-        own = {k: v for k, v in state_dict.items()
-               if k[len(prefix):].split(".", 1)[0] in self._modules}
-        super()._load_from_state_dict(own, prefix, *args, **kwargs)
+        ids, mask, positions = value
+        return layer(ids), mask, positions
 
 
-class View(nn.Module):
-    """An HF module under its own keys, with pipetrain's forward: it shares the module's
-    parameters, buffers and submodules (the same dictionaries, so moving, materializing or
-    loading this layer does so to the module) and calls the module itself."""
+class AddPositions:
+    """GPT-2's learned position table's glue: adds the positions' rows to the hidden states."""
 
-    inner: nn.Module
+    def __call__(self, layer: nn.Module, value: Boundary) -> Boundary:
+        hidden, mask, positions = value
+        return hidden + layer(positions), mask, positions
 
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        for registry in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            self.__dict__[registry] = inner.__dict__[registry]
-        self.__dict__["inner"] = inner  # not a submodule: its contents are this layer's
+    def decode(self, layer: nn.Module, value: Boundary, state: DecodeState) -> Boundary:
+        return self(layer, value)
 
-    def train(self, mode: bool = True) -> View:
-        super().train(mode)
-        self.inner.training = mode
-        return self
+
+class OnHidden:
+    """The glue of a module between the embedding and the blocks (a dropout): it runs on the
+    hidden states, the mask and positions pass by."""
+
+    def __call__(self, layer: nn.Module, value: Boundary) -> Boundary:
+        hidden, mask, positions = value
+        return layer(hidden), mask, positions
+
+    def decode(self, layer: nn.Module, value: Boundary, state: DecodeState) -> Boundary:
+        return self(layer, value)
+
+
+class Final:
+    """The final norm's glue: takes the boundary tuple, returns the normalized hidden states."""
+
+    def __call__(self, layer: nn.Module, value: Boundary) -> torch.Tensor:
+        return layer(value[0])  # type: ignore[no-any-return]
+
+    def decode(self, layer: nn.Module, value: Boundary, state: DecodeState) -> torch.Tensor:
+        return self(layer, value)
 
 
 class Positions:
@@ -357,9 +351,9 @@ class Shared:
                 del self._entries[key]
 
 
-class Block(View):
-    """A decoder block: builds its attention mask and rotary embedding from the mask and
-    positions that travel with the hidden states (or takes them from an earlier block of
+class Block:
+    """A decoder block's glue: builds its attention mask and rotary embedding from the mask
+    and positions that travel with the hidden states (or takes them from an earlier block of
     the stage, :class:`Shared`), runs the block, passes them on."""
 
     mask_kind: str
@@ -373,28 +367,29 @@ class Block(View):
     takes: frozenset[str] | None  # the keywords its forward takes; None: any
 
     def __init__(
-        self, inner: nn.Module, mask_kind: str, mask: Callable[..., Any], config: Any,
+        self, mask_kind: str, mask: Callable[..., Any], config: Any,
         positions: Positions | None, place: tuple[int, str | None], shared: Shared,
+        block: nn.Module,
     ):
-        super().__init__(inner)
-        self.__dict__.update(mask_kind=mask_kind, mask=mask, config=config,
-                             positions=positions, index=place[0], layer_type=place[1],
-                             shared=shared, cache_name=cache_argument(inner),
-                             takes=compat.block_parameters(inner))
+        self.mask_kind, self.mask, self.config = mask_kind, mask, config
+        self.positions, self.index, self.layer_type = positions, place[0], place[1]
+        self.shared = shared
+        self.cache_name = cache_argument(block)
+        self.takes = compat.block_parameters(block)
 
-    def forward(self, value: Boundary) -> Boundary:
-        return self._run(value, None)
+    def __call__(self, layer: nn.Module, value: Boundary) -> Boundary:
+        return self._run(layer, value, None)
 
-    def decode(self, value: Boundary, state: DecodeState) -> Boundary:
+    def decode(self, layer: nn.Module, value: Boundary, state: DecodeState) -> Boundary:
         """A generation step on the new tokens: keys and values of the earlier ones come
         from the stage's cache of this micro-batch (pipetrain/hf/cache.py), which this block
         extends with its own."""
         if self.cache_name is None:
-            raise TypeError(f"{type(self.inner).__name__} takes no cache: it cannot generate "
+            raise TypeError(f"{type(layer).__name__} takes no cache: it cannot generate "
                             "incrementally")
-        return self._run(value, stage_cache(state, self.shared, self.config))
+        return self._run(layer, value, stage_cache(state, self.shared, self.config))
 
-    def _run(self, value: Boundary, cache: Any) -> Boundary:
+    def _run(self, layer: nn.Module, value: Boundary, cache: Any) -> Boundary:
         """The block on ``value``; with ``cache``, one generation step (its 4-D mask sized
         against this block's entry of the cache, before the block extends it)."""
         hidden, mask, positions = value
@@ -414,10 +409,10 @@ class Block(View):
         meta = _MetaKernels() if hidden.is_meta else None  # type: ignore[no-untyped-call]
         try:
             with meta or contextlib.nullcontext():
-                out = self.inner(hidden, **self._taken(attention_mask=attention,
+                out = layer(hidden, **self._taken(attention_mask=attention,
                                  position_ids=positions, use_cache=cache is not None, **extra))
         except (RuntimeError, NotImplementedError) as error:
-            refusal = None if meta is None else compat.meta_refusal(self.inner, error)
+            refusal = None if meta is None else compat.meta_refusal(layer, error)
             if refusal is None:
                 raise
             raise refusal from error
@@ -448,17 +443,6 @@ class _MetaKernels(TorchDispatchMode):
             cast = [a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args)]
             return func(*cast, **{**kwargs, "out_dtype": None}).to(dtype)
         return func(*args, **kwargs)
-
-
-class Norm(View):
-    """The final norm: takes the boundary tuple, returns the normalized hidden states."""
-
-    def forward(self, value: Boundary) -> torch.Tensor:
-        return self.inner(value[0])  # type: ignore[no-any-return]
-
-    def decode(self, value: Boundary, state: DecodeState) -> torch.Tensor:
-        """A generation step: the norm of the new tokens' hidden states."""
-        return self.forward(value)
 
 
 def transformers_module() -> Any:

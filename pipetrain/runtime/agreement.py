@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch import nn
+
+from pipetrain.layer_tree import LayerTree
 
 if TYPE_CHECKING:
     from pipetrain.runtime.collectives import Collectives
 
 
-def fingerprint(model: nn.Sequential, **settings: Any) -> dict[str, Any]:
+def fingerprint(model: LayerTree, **settings: Any) -> dict[str, Any]:
     """What must agree across ranks: ``settings`` (balance, chunks, schedule, ...) and the
     model's layers with their parameter shapes and dtypes."""
     layers = [

@@ -13,6 +13,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree
 from pipetrain.observe.progress import logger
 from pipetrain.runtime.agreement import fingerprint
 from pipetrain.runtime.compiled import inductor_refusal
@@ -36,14 +37,14 @@ from pipetrain.training.weights import stage_versions
 from schedules import Kind, Schedule, inflight
 
 Tie = tuple[nn.Parameter, tuple[int, ...]]  # a weight shared by stages, and those stages
-Parts = list[tuple[int, nn.Sequential]]  # per stage: the offset of its first layer, its slice
+Parts = list[tuple[int, LayerTree]]  # per stage: the offset of its first layer, its slice
 
 
-def split(model: nn.Sequential, balance: Sequence[int]) -> Parts:
+def split(model: LayerTree, balance: Sequence[int]) -> Parts:
     """(offset, slice) per stage; slices keep the full model's state_dict keys."""
     balance = check_balance(model, balance)
     bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
-    slices = [cast(nn.Sequential, model[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    slices = [model[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return list(zip(bounds, slices, strict=False))
 
 
@@ -57,7 +58,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def _asynchronous_refusal(model: nn.Sequential, schedule: str, ties: list[Tie]) -> str:
+def _asynchronous_refusal(model: LayerTree, schedule: str, ties: list[Tie]) -> str:
     """Why an asynchronous schedule refuses this pipeline's weights tied across stages (named,
     with their stages): each stage would update its copy at its own time."""
     names: dict[int, list[str]] = {}
@@ -87,7 +88,7 @@ def _joint(ties: list[Tie], schedule: Schedule) -> set[tuple[int, ...]]:
 
 
 def assemble(
-    model: nn.Sequential, config: PipelineConfig, schedule: Schedule, world: World,
+    model: LayerTree, config: PipelineConfig, schedule: Schedule, world: World,
     source: LayerSource, seeds: Sequence[int],
 ) -> tuple[list[Stage], list[Tie]]:
     """This process's stages of ``schedule``, in stage order, once ``world`` has placed the
@@ -95,7 +96,7 @@ def assemble(
     tensors the stages hold). On one rank the stages using a shared weight share one tensor,
     which the first of them steps; across ranks its gradient is summed."""
     if config.deferred_batch_norm:
-        model = cast(nn.Sequential, DeferredBatchNorm.convert(model, config.chunks))
+        model = cast(LayerTree, DeferredBatchNorm.convert(model, config.chunks))
     parts, ties = split(model, config.balance), tied_parameters(model, config.balance)
     world.place(schedule, [stages for _, stages in ties])
     world.agree(lambda: fingerprint(
@@ -168,13 +169,13 @@ def assemble(
 
 
 def _bring_up_layer(
-    source: LayerSource, model: nn.Sequential, offset: int, device: torch.device, index: int
+    source: LayerSource, model: LayerTree, offset: int, device: torch.device, index: int
 ) -> None:
     """Layer ``offset + index`` of a meta ``model`` on ``device`` with its values, if it has
     tensors yet to make."""
     at = offset + index
     if is_meta(model[at]):
-        source.bring_up(model, [(at, cast(nn.Sequential, model[at : at + 1]))], {0: device})
+        source.bring_up(model, [(at, model[at : at + 1])], {0: device})
 
 
 def _build_stage(

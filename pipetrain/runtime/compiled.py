@@ -20,10 +20,11 @@ gradients there already (split_backward.py; docs/design.md says what was measure
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
-from torch import nn
+
+from pipetrain.layer_tree import LayerTree
 
 
 def compile_option(value: object) -> object:
@@ -59,12 +60,14 @@ def inductor_refusal(device: torch.device) -> str | None:
     return None
 
 
-def compiled_calls(layers: Sequence[nn.Module]) -> list[Callable[..., object]]:
+def compiled_calls(layers: LayerTree) -> list[Callable[..., object]]:
     """One compiled call per layer (a layer at several positions compiled once): the layer's
-    own ``__call__`` under ``torch.compile``, so its hooks run as before, its parameters stay
-    its own and the model's keys are unchanged (the compiled wrapper is held, not registered)."""
+    own ``__call__``, with its glue where it has one (pipetrain/layer_tree.py), under
+    ``torch.compile``, so its hooks run as before, its parameters stay its own and the model's
+    keys are unchanged (the compiled wrapper is held, not registered)."""
     made: dict[int, Callable[..., object]] = {}
-    for layer in layers:
+    calls = layers.called()
+    for layer, call in zip(layers, calls, strict=True):
         if id(layer) not in made:
-            made[id(layer)] = torch.compile(layer)
+            made[id(layer)] = torch.compile(call if call is layer else call.__call__)
     return [made[id(layer)] for layer in layers]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from partitioner import Plan
+from pipetrain.layer_tree import LayerTree
 from pipetrain.observe.progress import Progress
 from pipetrain.runtime.options import checked, renamed
 from pipetrain.runtime.planning import load_plan
@@ -33,10 +33,8 @@ from schedules.registry import recompute_below
 T = TypeVar("T")
 
 
-def check_balance(model: nn.Sequential, balance: Sequence[int]) -> list[int]:
-    """``balance`` as a list, refused unless it splits ``model`` (an nn.Sequential) whole."""
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"Pipeline takes an nn.Sequential, got {type(model).__name__}")
+def check_balance(model: LayerTree, balance: Sequence[int]) -> list[int]:
+    """``balance`` as a list, refused unless it splits ``model`` whole."""
     balance = list(balance)
     if not balance or any(not isinstance(b, int) or b < 1 for b in balance):
         raise ValueError(f"balance {balance} must list a positive number of layers per stage")
@@ -167,7 +165,7 @@ class PipelineConfig:
 
     @classmethod
     def resolve(
-        cls, model: nn.Sequential, balance: Sequence[int] | None = None, **options: Any
+        cls, model: LayerTree, balance: Sequence[int] | None = None, **options: Any
     ) -> PipelineConfig:
         """The checked configuration of ``Pipeline(model, balance, **options)``: the options
         the config holds (options.py) are taken from ``options``, the others ignored."""

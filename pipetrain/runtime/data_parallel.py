@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree
 from pipetrain.runtime import readback
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ class JointSync:
 
 
 def tied_parameters(
-    model: nn.Sequential, balance: Sequence[int]
+    model: LayerTree, balance: Sequence[int]
 ) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
     """Parameters shared by layers on different stages, each with the stages that use it."""
     bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]

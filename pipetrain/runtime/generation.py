@@ -170,7 +170,7 @@ class RankGeneration:
         state = self.states[stage.index, m] if self.states is not None else None
         try:
             with autocast(stage.device, stage.autocast_dtype):
-                output = run_layers(stage.module, value, state)
+                output = run_layers(stage.module.called(), value, state)
         except Exception as error:
             raise StageError(
                 f"stage {stage.index}, generation step {step} of micro-batch {m} failed: "

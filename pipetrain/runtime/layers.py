@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipetrain.checkpoints import weightfile
+from pipetrain.layer_tree import LayerTree
 from pipetrain.training.lazy import InitFn, init_layers, is_meta, materialize
 
 
@@ -30,7 +31,7 @@ class LayerSource:
     init: InitFn | None = None
     weights: str | os.PathLike[str] | None = None
 
-    def check(self, model: nn.Sequential) -> None:
+    def check(self, model: LayerTree) -> None:
         """Refuse, before any process group is made, what cannot give the layers values; read
         the weights file's index and check it against the model."""
         if self.init_seed is not None and not isinstance(self.init_seed, int):
@@ -51,7 +52,7 @@ class LayerSource:
         return {"init_seed": self.init_seed, "weights": str(self.weights or "")}
 
     def bring_up(
-        self, model: nn.Sequential, parts: Sequence[tuple[int, nn.Sequential]],
+        self, model: LayerTree, parts: Sequence[tuple[int, LayerTree]],
         devices: Mapping[int, torch.device],
     ) -> dict[int, torch.Tensor]:
         """Stage s (of ``devices``, stage -> device) on its device with its values. Returns

@@ -20,6 +20,7 @@ from torch import nn
 from typing_extensions import Unpack  # typing has it from Python 3.11; torch requires this
 
 from pipetrain.checkpoints import checkpointing
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.observe.progress import Progress, logger
 from pipetrain.observe.trace import Recorder
 from pipetrain.runtime import batch_agreement, microbatch
@@ -38,7 +39,7 @@ from pipetrain.runtime.prompts import Sampling
 from pipetrain.runtime.rng import draw_seeds
 from pipetrain.runtime.runner import Runner
 from pipetrain.runtime.sharding import Checkpointing
-from pipetrain.runtime.stage_module import PipelineLayers, keyed, positions
+from pipetrain.runtime.stage_module import PipelineLayers
 from pipetrain.runtime.transport import Transport
 from pipetrain.runtime.update import Update, learning_rate
 from pipetrain.runtime.world import make_world
@@ -72,8 +73,10 @@ class Pipeline:
     execution, observation.
 
     Args:
-        model: the ``nn.Sequential`` to train; its layers are the units a split cuts between.
-            Built on the meta device, it needs ``init_seed`` or ``weights``.
+        model: the ``nn.Sequential`` to train, or a ``pipetrain.LayerTree`` (layers named by
+            their paths in one module tree: ``pipetrain.hf.sequential(model)``); its layers are
+            the units a split cuts between. Built on the meta device, it needs ``init_seed``
+            or ``weights``.
         balance: layers per stage, e.g. ``[4, 8]``; its entries sum to ``len(model)``. Leave it
             out when ``plan`` gives it.
         plan: a ``partitioner.Plan`` or its JSON file (from ``pipetrain plan``): the balance,
@@ -222,10 +225,11 @@ class Pipeline:
     @with_options  # its signature lists every option (options.py), as help() shows
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Sequential | LayerTree,
         balance: Sequence[int] | None = None,
         **options: Unpack[PipelineOptions],
     ):
+        model = layer_tree(model)
         options = renamed(options)  # type: ignore[assignment]  # old names, with a warning
         self.config = config = PipelineConfig.resolve(model, balance, **options)
         source = LayerSource(**checked("layers", options))
@@ -249,13 +253,13 @@ class Pipeline:
         group = self.world.replica_group()  # ZeRO's checkpoints gather and re-shard over it
         self._sharded = Checkpointing(group) if config.zero and group is not None else None
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
-        self._layers = keyed(
-            PipelineLayers, (kv for stage in self.stages for kv in positions(stage.module))
+        self._layers = PipelineLayers(
+            kv for stage in self.stages for kv in stage.module.positions()
         )
         self._start_training(ties)
         self._generation = Generation(  # the whole model's layers say how it decodes
             self.world, self.stages, self.schedule, self._runner,
-            incremental(layer for _, layer in positions(model)),
+            incremental(model.called()),
         )
         logger.info(
             "pipeline of %d stages, balance %s, %s, %d micro-batches; here: stages %s",
@@ -312,7 +316,7 @@ class Pipeline:
     # -- the user's view --------------------------------------------------------------------
 
     @property
-    def module(self) -> nn.Sequential:
+    def module(self) -> PipelineLayers:
         """This process's layers (all of them in single-process mode), keyed as in the model:
         one object for the pipeline's life. It refuses hooks, which would never run there;
         hooks on ``pipe.stages[i].module`` run once per micro-batch on stage i."""

@@ -9,20 +9,21 @@ from pathlib import Path
 from torch import nn
 
 from partitioner import Plan
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.runtime.microbatch import Batch, batch_size
-from pipetrain.runtime.stage_module import positions
 
 
-def layer_signature(model: nn.Sequential) -> tuple[list[str], list[int]]:
-    """Per layer, its name ("key:Class", e.g. "3:Linear") and parameter count: what a profile
+def layer_signature(model: nn.Sequential | LayerTree) -> tuple[list[str], list[int]]:
+    """Per layer, its name ("name:Class", e.g. "3:Linear") and parameter count: what a profile
     records and a plan is checked against; a layer used at several positions is counted at
     each, as the model runs it."""
-    names = [f"{key}:{type(layer).__name__}" for key, layer in positions(model)]
+    model = layer_tree(model, "layer_signature")
+    names = [f"{name}:{type(layer).__name__}" for name, layer in model.positions()]
     counts = [sum(p.numel() for p in layer.parameters()) for layer in model]
     return names, counts
 
 
-def load_plan(plan: str | os.PathLike[str] | Plan, model: nn.Sequential) -> Plan:
+def load_plan(plan: str | os.PathLike[str] | Plan, model: nn.Sequential | LayerTree) -> Plan:
     """The plan (read from JSON if a path), refused unless it was made for ``model`` and runs
     each stage on one rank per copy of the pipeline (its ``data_parallel`` copies run)."""
     if not isinstance(plan, Plan):

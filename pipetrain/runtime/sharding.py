@@ -97,7 +97,7 @@ from pipetrain.runtime.fsdp_parts import (
     state,
 )
 from pipetrain.runtime.stage import OptimizerFactory, Stage
-from pipetrain.runtime.stage_module import alias
+from pipetrain.runtime.stage_module import StageModule, alias
 from schedules import Schedule
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class ShardedGradients:
     and under a split backward the weights stay gathered until the last one all the same."""
 
     def __init__(
-        self, module: nn.Module, group: dist.ProcessGroup, zero: int, device: torch.device,
+        self, module: StageModule, group: dist.ProcessGroup, zero: int, device: torch.device,
         bring_up: Callable[[int], object] | None = None,
         whole: Collection[nn.Parameter] = (),
         *,
@@ -239,7 +239,7 @@ class ShardedGradients:
         reshard = zero == 3 and not split_backward
         kept = set(whole)  # weights tied across stages: whole on every replica (tied_syncs)
         shards: list[nn.Module] = []
-        layers = list(module.children())
+        layers = list(dict.fromkeys(module))  # each layer once, in order
         grouped = units(layers, kept)
         for index in range(len(layers)):
             if bring_up is not None:
@@ -262,8 +262,6 @@ class ShardedGradients:
         self.module: FSDPModule = module  # type: ignore[assignment]
         self._layers = module  # the same, as an nn.Module
         # each sharded weight's owner and attribute: FSDP2 puts the gathered parameter there
-        # (the owner, not a dotted path: pipetrain.hf's layer keys such as "model.layers.0"
-        # are no path of attributes)
         self._owners = {id(p): (owner, leaf) for _, owner in module.named_modules()
                         for leaf, p in owner._parameters.items() if p is not None and sharded(p)}
         self.group, self.device, self.collectives = group, device, collectives

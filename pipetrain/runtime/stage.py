@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipetrain.errors import StageError
+from pipetrain.layer_tree import LayerTree
 from pipetrain.observe.memory import ActivationLedger
 from pipetrain.runtime.compiled import compiled_calls
 from pipetrain.runtime.cuda_graphs import StageGraphs
@@ -102,7 +103,7 @@ class Stage:
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Sequential | LayerTree,
         index: int,
         count: int,
         offset: int,
@@ -120,7 +121,7 @@ class Stage:
             module, index, count, offset, device, loss_fn, o.autocast_dtype, o.loss_divisor
         )
         if o.compile:
-            self.module.calls = compiled_calls(list(self.module))
+            self.module.calls = compiled_calls(self.module)
         self.rng = StageRng(draw_seeds(1)[0] if o.seed is None else o.seed, device)
         owned = [p for p in self.module.parameters()
                  if p.requires_grad and id(p) not in o.owned_elsewhere]

@@ -1,11 +1,11 @@
 """A stage's slice of the model as the module the stage calls, and a split backward's cuts.
 
-A stage runs its slice as one call of :class:`StageModule`, an ``nn.Sequential`` of the
-stage's layers (keyed as in the full model), so hooks registered on ``stage.module`` run once
-per micro-batch, as on any module (torch.distributed.pipelining's stage calls its module too).
-Given a :class:`LayerRun`, the slice notes which layer is running (a failure names it) and,
-under a split backward (the zero-bubble schedules), cuts the graph after each layer with
-weights.
+A stage runs its slice as one call of :class:`StageModule`, a LayerTree of the stage's
+layers (named as in the full model, pipetrain/layer_tree.py), so hooks registered on
+``stage.module`` run once per micro-batch, as on any module (torch.distributed.pipelining's
+stage calls its module too). Given a :class:`LayerRun`, the slice notes which layer is running
+(a failure names it) and, under a split backward (the zero-bubble schedules), cuts the graph
+after each layer with weights.
 
 The weight pass (W) backpropagates each such layer on its own, from its outputs to its
 weights, with the outputs' gradients that the input pass (B) found. Those gradients must hold
@@ -26,13 +26,15 @@ never call, so it refuses hooks rather than ignore them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar, cast
+from typing import NoReturn, cast
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from pipetrain.layer_tree import LayerTree, layer_tree
 
 
 class _Alias(torch.autograd.Function):
@@ -53,45 +55,6 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
     graph (an in-place op on it rewrites its history, not ``tensor``'s, and a leaf stays
     untouched by autograd's leaf rule). No copy."""
     return cast(torch.Tensor, _Alias.apply(tensor))  # type: ignore[no-untyped-call]
-
-
-def positions(module: nn.Sequential) -> list[tuple[str, nn.Module]]:
-    """Every (key, layer) of ``module`` in order, a layer used at several positions listed at
-    each, as the model runs it (``named_children`` lists a module once)."""
-    return [(key, layer) for key, layer in module._modules.items() if layer is not None]
-
-
-S = TypeVar("S", bound=nn.Sequential)
-
-
-def keyed(cls: type[S], layers: Iterable[tuple[str, nn.Module]]) -> S:
-    """An ``nn.Sequential`` of class ``cls`` holding ``layers`` under their names as given.
-    ``nn.Sequential``'s constructor refuses names with dots, which pipetrain.hf's layers have:
-    the layer keyed "model.layers.0" gives the Hugging Face model's own state_dict keys."""
-    made = cls()
-    for name, layer in layers:
-        made._modules[name] = layer
-    return made
-
-
-class KeyedLayers(nn.Sequential):
-    """A Sequential whose layers may have dotted names (:func:`keyed`). Loading a state_dict
-    checks a key against the layer whose name it starts with; torch's own check takes the key's
-    first dotted part for a layer's name, and would call "model.norm.weight" unexpected in a
-    slice that holds "model.norm" but no "model"."""
-
-    def __getitem__(self, index: Any) -> Any:
-        """A slice keeps the layers' names (``nn.Sequential``'s would refuse the dots)."""
-        if isinstance(index, slice):
-            return keyed(type(self), list(self._modules.items())[index])
-        return super().__getitem__(index)
-
-    def _load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any,
-    ) -> None:
-        layers = tuple(f"{prefix}{name}." for name in self._modules)
-        own = {k: v for k, v in state_dict.items() if not k.startswith(layers)}
-        super()._load_from_state_dict(own, prefix, *args, **kwargs)
 
 
 @dataclass
@@ -151,23 +114,24 @@ class LayerRun:
     cuts: Cuts | None = None
 
 
-class StageModule(KeyedLayers):
+class StageModule(LayerTree):
     """A stage's layers, called in order (see the module docstring); ``calls``, where set,
     calls each position's layer instead (compile=True's compiled layers: compiled.py)."""
 
     calls: Sequence[Callable[..., object]] = ()
 
     @classmethod
-    def of(cls, module: nn.Sequential) -> StageModule:
-        """``module``'s layers (the same objects, under the same keys, a layer used twice at
-        both positions) as a StageModule."""
+    def of(cls, module: nn.Sequential | LayerTree) -> StageModule:
+        """``module``'s layers (the same objects, under the same names, a layer used twice at
+        both positions) and their glue as a StageModule."""
         if isinstance(module, StageModule):
             return module
-        return keyed(cls, positions(module))
+        tree = layer_tree(module, "a stage")
+        return cls(tree.positions(), tree.glue)
 
     def forward(self, value: object, run: LayerRun | None = None) -> object:
         """The last layer's output; ``run`` (a keyword, unseen by hooks) follows the call."""
-        layers: Iterable[Callable[..., object]] = self.calls or self
+        layers = self.calls or self.called()
         for position, layer in enumerate(layers):
             if run is not None:
                 run.position = position
@@ -192,8 +156,8 @@ def _refused(name: str) -> Callable[..., NoReturn]:
     return refuse
 
 
-class PipelineLayers(KeyedLayers):
-    """This process's layers, keyed as in the full model: ``pipe.module``. The stages run the
+class PipelineLayers(LayerTree):
+    """This process's layers, named as in the full model: ``pipe.module``. The stages run the
     layers, never this module, so it refuses forward and backward hooks."""
 
     register_forward_pre_hook = _refused("register_forward_pre_hook")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import PeerError, StageError
+from pipetrain.layer_tree import LayerTree
 from pipetrain.runtime.stage_module import Cuts, LayerRun, StageModule, alias
 from pipetrain.training.precision import autocast, to_boundary
 
@@ -69,7 +70,7 @@ class StageSlice:
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Sequential | LayerTree,
         index: int,
         count: int,
         offset: int,

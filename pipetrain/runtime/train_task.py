@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.runtime.microbatch import Batch
 from pipetrain.runtime.stage import LossFn, OptimizerFactory
 
@@ -45,16 +46,14 @@ class TrainTask:
     uninterrupted one. ``options``: further Pipeline arguments (precision, clip_grad_norm,
     lr_scheduler, timeout, ...)."""
 
-    model: nn.Sequential
+    model: nn.Sequential | LayerTree
     loss_fn: LossFn
     optimizer: OptimizerFactory
     batch: Callable[[int], tuple[Batch, Batch]]
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, nn.Sequential):
-            raise TypeError(f"TrainTask.model must be an nn.Sequential, got "
-                            f"{type(self.model).__name__}")
+        layer_tree(self.model, "TrainTask.model")  # refused here, not on every rank later
         if not callable(self.batch):
             raise TypeError("TrainTask.batch must be a function of the step returning "
                             "(inputs, targets)")

@@ -10,8 +10,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree
 from pipetrain.runtime.rng import StageRng, State
-from pipetrain.runtime.stage_module import Cuts, positions
+from pipetrain.runtime.stage_module import Cuts
 from pipetrain.runtime.stage_slice import StageSlice
 from pipetrain.training.weights import WeightVersions
 
@@ -32,15 +33,12 @@ class LiveWeights:
 
 
 class _Runner(nn.Module):
-    """Wraps a stage's slice so that ``torch.func.functional_call`` swaps its weights while the
-    stage runs it layer by layer (its errors still name the layer). The runner holds the
-    slice's layers (the same objects) under their positions, not the slice's keys:
-    functional_call resolves a name as a path of attributes, and a key such as pipetrain.hf's
-    "model.layers.0" is no path."""
+    """Wraps a stage's slice so that ``torch.func.functional_call`` swaps its weights, named as
+    in the slice, while the stage runs it layer by layer (its errors still name the layer)."""
 
-    def __init__(self, body: nn.Sequential, run: Callable[..., object]):
+    def __init__(self, body: LayerTree, run: Callable[..., object]):
         super().__init__()
-        self.body = nn.ModuleList(layer for _, layer in positions(body))
+        self.body = body
         self._run = run
 
     def forward(self, value: object, target: object = None) -> object:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from partitioner import Profile, format_bytes
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.tools.cli_common import PROG, UsageError, ints, json_kwargs, ms, save
 from pipetrain.tools.cli_models import import_factory
 from pipetrain.tools.meta_profile import profile
@@ -90,7 +90,7 @@ def _factory(args: argparse.Namespace) -> tuple[Callable[..., Any], dict[str, An
 
 
 def _build(args: argparse.Namespace, factory: Callable[..., Any],
-           kwargs: dict[str, Any]) -> nn.Sequential:
+           kwargs: dict[str, Any]) -> LayerTree:
     """FUNCTION's model, on the meta device under ``--meta``."""
     try:
         with torch.device("meta") if args.meta else contextlib.nullcontext():
@@ -99,9 +99,10 @@ def _build(args: argparse.Namespace, factory: Callable[..., Any],
         raise UsageError(
             f"{args.model}(**{kwargs}) failed: {type(error).__name__}: {error}"
         ) from None
-    if not isinstance(model, nn.Sequential):
-        raise UsageError(f"{args.model} returned a {type(model).__name__}, not an nn.Sequential")
-    return model
+    try:
+        return layer_tree(model, f"pipetrain profile {args.model}")
+    except TypeError as error:
+        raise UsageError(str(error)) from None
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

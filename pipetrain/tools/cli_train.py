@@ -121,10 +121,23 @@ def _task(target: str, factory: Callable[..., Any], kwargs: dict[str, Any], plan
 
 def _launch(args: argparse.Namespace, plan: Plan) -> int:
     """Run this very command under torchrun on this machine; its exit status."""
-    nproc = _processes(args, plan)
-    command = [
+    return subprocess.call(torchrun_command(args, plan))
+
+
+def torchrun_command(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """torchrun starting this command once per process. ``--nproc`` is said to torchrun and
+    left out of the ranks' arguments: torchrun's parser reads every option, the script's too,
+    and takes ``--nproc`` for an ambiguous abbreviation of its ``--nproc-per-node``."""
+    argv, value_of_nproc = [], False
+    for arg in args.argv:
+        if value_of_nproc or arg.startswith("--nproc="):
+            value_of_nproc = False
+        elif arg == "--nproc":
+            value_of_nproc = True
+        else:
+            argv.append(arg)
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", f"--max-restarts={args.max_restarts}",
-        "-m", "pipetrain", *args.argv,
+        f"--nproc_per_node={_processes(args, plan)}", f"--max-restarts={args.max_restarts}",
+        "-m", "pipetrain", *argv,
     ]
-    return subprocess.call(command)

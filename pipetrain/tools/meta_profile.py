@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from partitioner import LayerCost, Profile
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.runtime.planning import layer_signature
 from pipetrain.tools import profiler
 from pipetrain.tools.saved import ChainCount, saved_tensors
@@ -29,12 +30,14 @@ from pipetrain.training.lazy import is_meta, reset_layer
 
 
 def profile(
-    model: nn.Sequential, sample_input: object, *, optimizer: str = "adam", warmup: int = 2,
+    model: nn.Sequential | LayerTree, sample_input: object, *, optimizer: str = "adam",
+    warmup: int = 2,
     repeats: int = 5, device: str | torch.device | None = None, reuse_times: bool = False,
 ) -> Profile:
     """Profile ``model`` per layer (see pipetrain.tools.profiler): a model built on the meta
     device one layer at a time (this module), any other as pipetrain.tools.profiler does."""
-    if not (isinstance(model, nn.Sequential) and is_meta(model)):
+    model = layer_tree(model, "profile")
+    if not is_meta(model):
         if reuse_times:
             raise ValueError(
                 "reuse_times applies to a model built on the meta device; a built model's "
@@ -48,7 +51,7 @@ def profile(
                          torch.device(device or "cpu"), reuse_times)
 
 
-def _check(model: nn.Sequential, sample_input: object, optimizer: str, warmup: int,
+def _check(model: LayerTree, sample_input: object, optimizer: str, warmup: int,
            repeats: int) -> int:
     """The batch size; the same refusals as pipetrain.tools.profiler."""
     if len(model) == 0:
@@ -103,12 +106,12 @@ def _leaves(value: object, flags: list[bool]) -> object:
     return profiler._map(value, lambda t: t.requires_grad_(next(grads)))
 
 
-def _time(index: int, name: str, layer: nn.Module, value: object, flags: list[bool],
+def _time(model: LayerTree, index: int, name: str, value: object, flags: list[bool],
           device: torch.device, warmup: int, repeats: int) -> tuple[float, float, object]:
-    """Median forward and backward seconds of one materialized copy of ``layer``, and its
-    output (detached)."""
-    built = _build(layer, device)
-    run = profiler._LayerRun(index, name, built, value, flags)
+    """Median forward and backward seconds of one materialized copy of layer ``index``, and
+    its output (detached)."""
+    built = _build(model[index], device)
+    run = profiler._LayerRun(index, name, (built, model.bound(index, built)), value, flags)
     output: object = None
     for sweep in range(warmup + repeats):
         output = run.run(device, record=sweep >= warmup)
@@ -117,7 +120,7 @@ def _time(index: int, name: str, layer: nn.Module, value: object, flags: list[bo
 
 
 def _profile_meta(
-    model: nn.Sequential, sample_input: object, optimizer: str, warmup: int, repeats: int,
+    model: LayerTree, sample_input: object, optimizer: str, warmup: int, repeats: int,
     device: torch.device, reuse_times: bool,
 ) -> Profile:
     batch_size = _check(model, sample_input, optimizer, warmup, repeats)
@@ -137,7 +140,7 @@ def _profile_meta(
             try:
                 given = _leaves(meta, flags)
                 with record.recording():
-                    output = layer(given)
+                    output = model.bound(index)(given)
             except Exception as error:
                 raise ValueError(
                     f"layer {index} ({name}) cannot run on the meta device (on an input of "
@@ -163,7 +166,7 @@ def _profile_meta(
                 real = _stand_in(output, device)
             else:
                 forward, backward, real = _time(
-                    index, name, layer, real, flags, device, warmup, repeats
+                    model, index, name, real, flags, device, warmup, repeats
                 )
                 layers.append(replace(cost, forward=forward, backward=backward))
             previous = (key, layers[-1])

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from partitioner import LayerCost, Profile
+from pipetrain.layer_tree import LayerTree, layer_tree
 from pipetrain.runtime.planning import layer_signature
 from pipetrain.tools.saved import ChainCount, saved_tensors
 
@@ -198,11 +199,13 @@ def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
 
 
 class _LayerRun:
-    """One layer, the input it gets in the model (as leaves that require grad exactly where the
-    model's tensors do), random gradients for its outputs, and its timings."""
+    """One layer (the module, and how it is called: with its glue), the input it gets in the
+    model (as leaves that require grad exactly where the model's tensors do), random gradients
+    for its outputs, and its timings."""
 
-    def __init__(self, index: int, name: str, layer: nn.Module, value: object, flags: list[bool]):
-        self.index, self.name, self.layer = index, name, layer
+    def __init__(self, index: int, name: str, layer: tuple[nn.Module, Callable[[object], object]],
+                 value: object, flags: list[bool]):
+        self.index, self.name, (self.layer, self.call) = index, name, layer
         grad_flags = iter(flags)
         self.leaves = _map(value, lambda t: t.detach().requires_grad_(next(grad_flags)))
         self.grads: list[torch.Tensor] | None = None
@@ -220,11 +223,11 @@ class _LayerRun:
             clock = _Clock(device)
             clock.mark()
             if chain is None:
-                output = self.layer(inputs)
+                output = self.call(inputs)
             else:
                 saved = saved_tensors(self.layer.parameters())
                 with saved.recording():
-                    output = self.layer(inputs)
+                    output = self.call(inputs)
                 chain.add(saved, tensors_of(inputs), tensors_of(output))
             clock.mark()
             outs = [t for t in tensors_of(output) if t.requires_grad]
@@ -246,7 +249,7 @@ class _LayerRun:
 
 
 def profile(
-    model: nn.Sequential,
+    model: nn.Sequential | LayerTree,
     sample_input: object,
     *,
     optimizer: str = "adam",
@@ -263,8 +266,7 @@ def profile(
     fails raises ValueError naming the layer and the input it was given. Noisy timings warn
     (:class:`ProfileNoiseWarning`), naming the layers.
     """
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"profile takes an nn.Sequential, got {type(model).__name__}")
+    model = layer_tree(model, "profile")
     if len(model) == 0:
         raise ValueError("the model has no layers to profile")
     if optimizer not in OPTIMIZER_STATE:
@@ -294,8 +296,8 @@ def profile(
         flags = [t.requires_grad for t in tensors_of(value)]
         outputs = []
         chain = ChainCount()
-        for index, (name, layer) in enumerate(zip(names, model, strict=True)):
-            runs.append(_LayerRun(index, name, layer, value, flags))
+        for index, name in enumerate(names):
+            runs.append(_LayerRun(index, name, (model[index], model.bound(index)), value, flags))
             output = runs[-1].run(where, record=warmup == 0, chain=chain)
             outputs.append(nbytes(output))
             flags = [t.requires_grad for t in tensors_of(output)]
@@ -320,7 +322,7 @@ def profile(
     return result
 
 
-def tied_bytes(model: nn.Sequential) -> list[int]:
+def tied_bytes(model: LayerTree) -> list[int]:
     """Per layer, the bytes of its parameters that another layer holds too (a tied weight, or
     a layer used at several positions): ZeRO 2 and 3 keep such a weight whole on every
     replica where the layers holding it are on different stages."""

@@ -29,11 +29,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from pipetrain.layer_tree import LayerTree, layer_tree
+
 InitFn = Callable[[nn.Module], None]
+M = TypeVar("M", nn.Sequential, LayerTree)
 
 _Slot = tuple[nn.Module, str, bool]  # a module, a tensor's name in it, whether a parameter
 
@@ -96,7 +100,7 @@ def _set(slot: _Slot, value: torch.Tensor) -> None:
     (module._parameters if is_param else module._buffers)[name] = value  # type: ignore[assignment]
 
 
-def owners(model: nn.Sequential) -> dict[int, int]:
+def owners(model: LayerTree) -> dict[int, int]:
     """For every tensor (by id), the first layer that holds it."""
     first: dict[int, int] = {}
     for index, layer in enumerate(model):
@@ -154,7 +158,7 @@ def _devices(layer: nn.Module) -> list[int]:
 
 
 def _initialize(
-    model: nn.Sequential, index: int, seed: int, init: InitFn, first: Mapping[int, int],
+    model: LayerTree, index: int, seed: int, init: InitFn, first: Mapping[int, int],
 ) -> None:
     """Layer ``index`` by the rule, its generators forked and seeded for it; tensors that an
     earlier layer owns keep the value they had."""
@@ -168,26 +172,24 @@ def _initialize(
 
 
 def init_layers(
-    model: nn.Sequential, seed: int, init: InitFn | None = None,
-    device: str | torch.device = "cpu",
-) -> nn.Sequential:
+    model: M, seed: int, init: InitFn | None = None, device: str | torch.device = "cpu",
+) -> M:
     """Initialize every layer of ``model`` by the per-layer rule (see the module docstring), in
     place, and return it: what ``Pipeline(meta_model, init_seed=seed, init=init)`` gives each
     rank's layers, for a model built eagerly, or on the meta device (then materialized whole on
     ``device``)."""
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"init_layers takes an nn.Sequential, got {type(model).__name__}")
-    if is_meta(model):
-        materialize(model, dict.fromkeys(range(len(model)), torch.device(device)), seed, init)
+    tree = layer_tree(model, "init_layers")
+    if is_meta(tree):
+        materialize(tree, dict.fromkeys(range(len(tree)), torch.device(device)), seed, init)
         return model
-    first = owners(model)
-    for index in range(len(model)):
-        _initialize(model, index, seed, init or reset_layer, first)
+    first = owners(tree)
+    for index in range(len(tree)):
+        _initialize(tree, index, seed, init or reset_layer, first)
     return model
 
 
 def materialize(
-    model: nn.Sequential, where: Mapping[int, torch.device], seed: int | None,
+    model: LayerTree, where: Mapping[int, torch.device], seed: int | None,
     init: InitFn | None = None, skip: Iterable[int] = (),
 ) -> dict[int, torch.Tensor]:
     """Give the layers in ``where`` (index -> device) real tensors on their devices, and
@@ -237,7 +239,7 @@ def _device_of_shared(layer: nn.Module, made: _Materialized) -> torch.device:
     return next(made.new[id(t)].device for t in _tensors(layer) if id(t) in made.new)
 
 
-def _refuse(model: nn.Sequential, index: int, left: list[str], init: InitFn | None) -> None:
+def _refuse(model: LayerTree, index: int, left: list[str], init: InitFn | None) -> None:
     layer = model[index]
     how = "init=..." if init is not None else "the modules' reset_parameters()"
     raise ValueError(

@@ -589,6 +589,26 @@ def test_train_never_deletes_an_earlier_runs_checkpoints(task_plan, tmp_path, ca
     assert code == 2 and "--resume and --fresh exclude each other" in err, err
 
 
+def test_train_starts_torchrun_with_nproc_said_to_it_alone(task_plan):
+    """torchrun's parser reads the ranks' options too and takes ``--nproc`` for an ambiguous
+    abbreviation of its own ``--nproc-per-node`` (it exited before any rank started): the
+    launcher says the count to torchrun and leaves it out of the ranks' arguments."""
+    from torch.distributed.run import get_args_parser
+
+    from pipetrain.tools.cli_train import torchrun_command
+
+    module, plan = task_plan
+    for nproc in (["--nproc", "4"], ["--nproc=4"]):
+        argv = ["train", f"{module}:task", "--plan", str(plan), *nproc, "--steps", "2"]
+        args = build_parser(["train"]).parse_args(argv)
+        args.argv = argv
+        command = torchrun_command(args, Plan.load(plan))
+        torchrun = get_args_parser().parse_args(command[3:])
+        assert torchrun.nproc_per_node == "4" and torchrun.training_script == "pipetrain"
+        assert torchrun.training_script_args == [
+            "train", f"{module}:task", "--plan", str(plan), "--steps", "2"]
+
+
 def test_train_refuses_a_function_that_returns_no_task(task_plan, capsys):
     module, plan = task_plan
     code, _, err = run(f"train {module}:not_a_task --plan {plan} --steps 2", capsys)

@@ -65,6 +65,16 @@ def model(arch: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config(arch, attn))
 
 
+def two_stages(arch: str) -> list[int]:
+    """Layers per stage for 2 stages split after the first block: the modules before the
+    blocks and block 0, then the rest (GPT-2 has three layers before its blocks, Llama one)."""
+    import pipetrain.hf
+
+    names = pipetrain.hf.sequential(model(arch)).names
+    first = next(i for i, name in enumerate(names) if name.endswith((".layers.0", ".h.0")))
+    return [first + 1, len(names) - first - 1]
+
+
 def batch(
     rows: int = 4, length: int = 9, seed: int = 0, left: bool = True,
 ) -> tuple[torch.Tensor, ...]:

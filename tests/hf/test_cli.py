@@ -43,8 +43,9 @@ def test_profile_names_the_models_parts(planned) -> None:
     _, plan = planned
     names = [layer["name"] for layer in json.loads(
         (plan.parent / "profile.json").read_text())["layers"]]
-    assert names == ["model:Embedding", "model.layers.0:Block", "model.layers.1:Block",
-                     "model.norm:Norm", "lm_head:Linear"]
+    assert names == ["model.embed_tokens:Embedding", "model.layers.0:LlamaDecoderLayer",
+                     "model.layers.1:LlamaDecoderLayer", "model.norm:LlamaRMSNorm",
+                     "lm_head:Linear"]
     assert sum(Plan.load(plan).balance) == 5
 
 
@@ -119,7 +120,8 @@ def test_profile_on_meta_of_experts_and_scaled_embeddings(name, extra, tmp_path,
     """Mixtures of experts run torch's grouped matrix product, whose meta kernel takes only
     bfloat16: a float32 model's meta forward still gives its shapes."""
     made = getattr(transformers, f"{name}Config")(**LLAMA_LIKE, pad_token_id=0, **extra)
-    transformers.AutoModelForCausalLM.from_config(made).save_pretrained(tmp_path / "model")
+    built = transformers.AutoModelForCausalLM.from_config(made)
+    built.save_pretrained(tmp_path / "model")
     done = main(["profile", f"hf:{tmp_path / 'model'}", "--meta", "--input-shape", "2,16",
                  "--input-dtype", "int64", "--input-high", "64", "--repeats", "1",
                  "--warmup", "0", "-o", str(tmp_path / "profile.json")])
@@ -130,7 +132,8 @@ def test_profile_on_meta_of_experts_and_scaled_embeddings(name, extra, tmp_path,
         return
     assert done == 0
     layers = json.loads((tmp_path / "profile.json").read_text())["layers"]
-    assert [layer["name"] for layer in layers][1:3] == ["model.layers.0:Block",
-                                                       "model.layers.1:Block"]
+    block = type(built.model.layers[0]).__name__
+    assert [layer["name"] for layer in layers][1:3] == [f"model.layers.0:{block}",
+                                                       f"model.layers.1:{block}"]
     hidden, masks = 2 * 16 * 32 * 4, 2 * (2 * 16 * 8)  # fp32 hidden, int64 mask and positions
     assert layers[1]["activation_bytes"] == hidden + masks

@@ -11,7 +11,7 @@ import torch
 
 import pipetrain
 import pipetrain.hf as hf
-from tests.hf.models import model
+from tests.hf.models import model, two_stages
 from tests.runtime.harness import run_ranks, values
 
 NEW = 6  # tokens generated
@@ -38,7 +38,7 @@ def reference(arch: str, **options: object) -> torch.Tensor:
 
 
 def pipeline(arch: str, chunks: int, **options: object) -> pipetrain.Pipeline:
-    return pipetrain.Pipeline(hf.sequential(model(arch)), balance=[2, 3], chunks=chunks,
+    return pipetrain.Pipeline(hf.sequential(model(arch)), balance=two_stages(arch), chunks=chunks,
                               **options)
 
 

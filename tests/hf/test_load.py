@@ -13,7 +13,7 @@ import torch
 import pipetrain
 import pipetrain.hf as hf
 from pipetrain.checkpoints.weightfile import WeightFileError
-from tests.hf.models import BEFORE_5, LLAMA_LIKE, config, model, transformers
+from tests.hf.models import BEFORE_5, LLAMA_LIKE, config, model, transformers, two_stages
 
 
 def meta(arch: str) -> torch.nn.Module:
@@ -27,8 +27,8 @@ def saved(arch: str, folder: Path, shard: str | None = None) -> dict[str, torch.
     return m.state_dict()
 
 
-def options() -> dict:
-    return dict(balance=[2, 3], chunks=2, loss_fn=hf.causal_lm_loss,
+def options(arch: str = "llama") -> dict:
+    return dict(balance=two_stages(arch), chunks=2, loss_fn=hf.causal_lm_loss,
                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
 
 
@@ -38,7 +38,7 @@ def test_meta_model_reads_the_directory(arch: str, shard: str | None, tmp_path: 
     expected = saved(arch, tmp_path, shard)
     assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
     pipe = pipetrain.Pipeline(hf.sequential(meta(arch)), devices=["cpu", "cpu"],
-                              weights=tmp_path, **options())
+                              weights=tmp_path, **options(arch))
     state = pipe.module.state_dict()
     assert list(state) == list(expected)
     for key, value in state.items():

@@ -17,12 +17,11 @@ import torch
 
 import pipetrain
 import pipetrain.hf as hf
-from tests.hf.models import batch, config, declared, model, transformers
+from tests.hf.models import batch, config, declared, model, transformers, two_stages
 from tests.runtime.harness import run_ranks, values
 
 TOLERANCE = 1e-5
 STEPS = 3
-BALANCE = [2, 3]  # embedding + block 0 | block 1 + norm + head
 
 
 def adamw(params):
@@ -51,8 +50,8 @@ def train(pipe: pipetrain.Pipeline) -> list[float]:
     return losses
 
 
-def options(**extra) -> dict:
-    return dict(balance=BALANCE, chunks=2, schedule="1f1b", loss_fn=hf.causal_lm_loss,
+def options(arch: str = "llama", **extra) -> dict:
+    return dict(balance=two_stages(arch), chunks=2, schedule="1f1b", loss_fn=hf.causal_lm_loss,
                 optimizer=adamw, clip_grad_norm=1.0, **extra)
 
 
@@ -64,7 +63,8 @@ def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 @pytest.mark.parametrize("arch", [declared(a) for a in ("llama", "gpt2", "gptj", "codegen")])
 def test_threads_equal_hf_training(arch: str, one_thread) -> None:
-    pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"], **options())
+    pipe = pipetrain.Pipeline(hf.sequential(model(arch)), devices=["cpu", "cpu"],
+                              **options(arch))
     train(pipe)
     assert_close(pipe.module.state_dict(), reference(arch))
 
@@ -136,7 +136,7 @@ def _schedules(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for name, settings in runs.items():
         arch = "gpt2" if name.startswith("gpt2") else "llama"
-        pipe = pipetrain.Pipeline(hf.sequential(model(arch)), **{**options(), **settings})
+        pipe = pipetrain.Pipeline(hf.sequential(model(arch)), **{**options(arch), **settings})
         train(pipe)
         out[name] = {k: v.detach().clone() for k, v in pipe.module.state_dict().items()}
     return out

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from pipetrain.runtime.stage_module import KeyedLayers, keyed
+from pipetrain.layer_tree import LayerTree
 from schedules.registry import RECOMPUTE_MODES, build, lookup, names
 from tests.runtime.models import Branch, Halves, Keep, Merge, SharedAffine
 
@@ -258,7 +258,7 @@ def build_model(spec: ModelSpec, seed: int = 0, dotted: bool = False) -> nn.Sequ
         shape, pair = out, False
     assert not pair, "a model must end in a tensor"
     if dotted:
-        return keyed(KeyedLayers, [(f"{DOTTED}{i}", m) for i, m in enumerate(built.layers)])
+        return LayerTree([(f"{DOTTED}{i}", m) for i, m in enumerate(built.layers)])
     return nn.Sequential(*built.layers)
 
 

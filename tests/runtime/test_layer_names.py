@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.runtime.stage_module import KeyedLayers, keyed, positions
+from pipetrain.layer_tree import LayerTree
 from schedules.registry import lookup, names
 
 STEPS = 3
@@ -31,10 +31,10 @@ ASYNCHRONOUS = {  # the weight-version kinds, each its own path through the runt
 }
 
 
-def keyed_mlp(seed: int = 0) -> KeyedLayers:
+def keyed_mlp(seed: int = 0) -> LayerTree:
     """Five layers under dotted, nested-looking names."""
     torch.manual_seed(seed)
-    return keyed(KeyedLayers, [
+    return LayerTree([
         ("encoder.in", nn.Linear(6, 8)), ("encoder.act", nn.Tanh()),
         ("decoder.layers.0", nn.Linear(8, 8)), ("decoder.layers.1", nn.Linear(8, 8)),
         ("decoder.out", nn.Linear(8, 4)),
@@ -63,9 +63,11 @@ def llama_data() -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]
     return [((ids, mask), labels) for ids, mask, labels in steps]
 
 
-def positional(model: nn.Sequential) -> nn.Sequential:
-    """The same layers (these objects) under positions as names."""
-    return nn.Sequential(*(layer for _, layer in positions(model)))
+def positional(model: LayerTree) -> LayerTree:
+    """The same layers (these objects) and their glue under positions as names."""
+    by_position = {name: str(i) for i, name in enumerate(model.names)}
+    return LayerTree(((by_position[n], layer) for n, layer in model.positions()),
+                     {by_position[n]: glue for n, glue in model.glue.items()})
 
 
 def train(model: nn.Sequential, schedule: str, data: list, loss_fn: Callable,
@@ -82,7 +84,7 @@ def train(model: nn.Sequential, schedule: str, data: list, loss_fn: Callable,
     )
     for x, y in data:
         pipe.train_step(x, y)
-    return [p.detach().clone() for _, layer in positions(model) for p in layer.parameters()]
+    return [p.detach().clone() for layer in model for p in layer.parameters()]
 
 
 def assert_identical(dotted: list[torch.Tensor], plain: list[torch.Tensor]) -> None:

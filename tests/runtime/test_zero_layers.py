@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import pipetrain
-from pipetrain.runtime.stage_module import KeyedLayers, keyed
+from pipetrain.layer_tree import LayerTree
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.test_zero import _whole, adamw
 
@@ -41,7 +41,7 @@ def tokens_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def keyed_mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return keyed(KeyedLayers, [
+    return LayerTree([
         ("encoder.in", nn.Linear(6, 8)), ("encoder.act", nn.Tanh()),
         ("decoder.layers.0", nn.Linear(8, 8)), ("decoder.out", nn.Linear(8, 4)),
     ])
