@@ -79,6 +79,9 @@ class LayerTree(nn.Module):
             raise TypeError(f"layer {name!r} is a {type(layer).__name__}, not an nn.Module")
         if name in self.names:
             raise ValueError(f"two layers are named {name!r}: a layer's name is its path")
+        if not isinstance(name, str) or "" in name.split("."):
+            raise ValueError(f"layer name {name!r} is no path: give dotted names of modules, "
+                             "e.g. 'model.layers.0'")
         *path, leaf = name.split(".")
         parent: nn.Module = self
         for depth, part in enumerate(path):
