@@ -20,8 +20,9 @@ running at ``timeout + 30`` s is killed and counted as a hang.
 ``--at-agree`` adds each case with the rank hit as it enters the step's agreement (it signals
 itself there), so that the other rank's wait is a collective's, not a receive's. ``--zero 1 2
 3`` instead runs each case on 1 stage x 2 replicas sharded at each level, the rank hit as it
-enters the level's collective of torch's (ZERO_PLACES); ``--joins`` as it enters the creation
-of the pipeline's process groups or pipetrain.shutdown().
+enters the level's collective of torch's (ZERO_PLACES); with ``--at-save`` as it enters the
+gather of the sharded state for a checkpoint (the job saves after every step); ``--joins`` as
+it enters the creation of the pipeline's process groups or pipetrain.shutdown().
 :func:`run_job` also hits a rank of 2 replicas (4 processes) in the gradient all-reduce, or
 any rank in the start-up check of the settings or the first step's check of the batch
 (tests/runtime/test_faults.py).
@@ -64,6 +65,8 @@ class Run:
     exit_time: float  # seconds from the signal to the process's exit
     error: str  # the exception it printed last on stderr
     named_peer: bool  # whether that line names the peer as "stage S (rank R)"
+    saved: tuple[str, ...] = ()  # at a save: the checkpoint folder's files after the run
+    latest: str = ""  # and the checkpoint its ``latest`` names
 
 
 def _free_port() -> int:
@@ -170,6 +173,8 @@ def run_job(
     survivors = [r for r in range(world) if r != victim]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        checkpoints = folder / "checkpoints"
+        extra += ["--save", str(checkpoints)] if at == "save" else []
         procs = _start(folder, timeout, _free_port(), extra, world)
         try:
             hit = (_hit_by_itself(folder, procs, victim) if at
@@ -181,8 +186,10 @@ def run_job(
                     p.kill()
                 p.wait()
         errors = {r: _error_line((folder / f"rank{r}.err").read_text()) for r in survivors}
+        saved = tuple(sorted(str(p.relative_to(checkpoints)) for p in checkpoints.rglob("*")))
+        latest = (checkpoints / "latest").read_text() if "latest" in saved else ""
     named = peer_name(victim, replicas, stages)
-    return {r: Run(code, when - hit, errors[r], named in errors[r])
+    return {r: Run(code, when - hit, errors[r], named in errors[r], saved, latest)
             for r, (code, when) in ended.items()}
 
 
@@ -218,6 +225,9 @@ def _row(case: str, runs: list[Run], timeout: float) -> str:
 def _settings(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """Per row of each case, its label's end and run_job's arguments."""
     one_stage = {"replicas": 2, "stages": 1}
+    if args.at_save:
+        return [(f", zero={z}, at a save", {"at": "save", "zero": z, **one_stage})
+                for z in args.zero or ZERO_PLACES]
     if args.zero:
         return [(f", zero={z}", {"at": ZERO_PLACES[z], "zero": z, **one_stage})
                 for z in args.zero]
@@ -235,6 +245,9 @@ def main() -> None:
                         help="also each case with the rank hit as it enters the agreement")
     parser.add_argument("--zero", type=int, nargs="*", default=[], choices=list(ZERO_PLACES),
                         help="instead each case sharded at these levels (1 stage x 2 replicas)")
+    parser.add_argument("--at-save", action="store_true",
+                        help="instead each case with the rank hit as it enters a checkpoint's "
+                        "gather, at --zero's levels (default: 1 2 3)")
     parser.add_argument("--joins", action="store_true",
                         help="instead each case at group creation and at shutdown")
     args = parser.parse_args()

@@ -251,7 +251,11 @@ class Pipeline:
         seeds = draw_seeds(len(self.balance))  # every stage's, in every process: see rng.py
         self.stages, ties = assemble(model, config, self.schedule, self.world, source, seeds)
         group = self.world.replica_group()  # ZeRO's checkpoints gather and re-shard over it
-        self._sharded = Checkpointing(group) if config.zero and group is not None else None
+        collectives = self.world.replica_collectives()
+        self._sharded = (  # its gathers named and bounded as the replicas' other collectives
+            Checkpointing(group, collectives, config.zero)
+            if config.zero and group is not None and collectives is not None else None
+        )
         self.stage = self.world.first_stage(self.schedule)  # None: every stage is here
         self._layers = PipelineLayers(
             kv for stage in self.stages for kv in stage.module.positions()
@@ -433,9 +437,11 @@ class Pipeline:
     def save(self, folder: str | os.PathLike[str]) -> Path:
         """Write a checkpoint of every stage (module, optimizer, step, RNG) under ``folder``;
         every rank calls it (the first replica writes). A crash during the save leaves the
-        previous one whole. An asynchronous pipeline is flushed first. Saving again at the
-        step this pipeline last saved (or loaded) in ``folder``, with nothing trained since,
-        returns that checkpoint: e.g. a final save right after a periodic one.
+        previous one whole; a replica lost while a sharded stage's state is gathered from the
+        replicas (zero 1 to 3) is named, as in a step's collectives. An asynchronous pipeline
+        is flushed first. Saving again at the step this pipeline last saved (or loaded) in
+        ``folder``, with nothing trained since, returns that checkpoint: e.g. a final save
+        right after a periodic one.
 
         Args:
             folder: where the checkpoints live; each save adds one named by the step (the same

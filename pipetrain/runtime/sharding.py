@@ -67,7 +67,8 @@ timeout, naming no one; each method of torch's that runs them (``step``; FSDP2's
 groups' all-gathers and reduce-scatters, fsdp_parts.COLLECTIVES) is wrapped so that its
 failure is raised as the presence all-reduce of ``finish`` and the gradient all-reduce of
 zero 0 and 1 raise theirs (collectives.Collectives.bounded): a CommunicationTimeout or
-PeerError naming the replica's stage and rank, after stopping every peer.
+PeerError naming the replica's stage and rank, after stopping every peer. So do the gathers of
+a checkpoint (:class:`Checkpointing`), before anything is written.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -459,32 +461,56 @@ class Checkpointing:
     """A sharded pipeline's checkpoints hold whole tensors, as an unsharded one's do, so they
     load under any balance, replica count or ``zero``: ``whole`` gathers each stage's state
     from its replicas before the first replica writes it; ``shard`` gives a sharded stage its
-    shares of the whole tensors read back."""
+    shares of the whole tensors read back.
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    The gathers are torch's (``DTensor.full_tensor``'s all-gathers at zero 2 and 3,
+    ZeroRedundancyOptimizer's ``consolidate_state_dict`` broadcasts at zero 1), in ``group``,
+    created with the pipeline's timeout; each runs through ``collectives`` (module
+    docstring), so that a replica that dies or stops during a save makes the others raise an
+    error naming it, after stopping every peer, before the first replica writes anything: the
+    previous checkpoint stays the one ``latest`` names. Loading runs no collective (every
+    replica reads the whole tensors and keeps its shares)."""
+
+    def __init__(self, group: dist.ProcessGroup, collectives: Collectives, zero: int):
+        self.group, self.collectives, self.zero = group, collectives, zero
 
     def whole(self, stages: Sequence[Stage]) -> list[WholeState]:
         """Per stage, its module and optimizer state_dicts whole (on the first replica; the
         optimizer's is None elsewhere). Every replica calls it: it gathers."""
+        weights = self._gathering("weights", "DTensor.full_tensor's all-gathers")
         states: list[WholeState] = []
         for stage in stages:
-            module = {k: _full(v) for k, v in stage.module.state_dict().items()}
-            optimizer = stage.optimizer
-            state: dict[str, Any] | None = None
-            if isinstance(optimizer, ZeroRedundancyOptimizer):
-                optimizer.consolidate_state_dict(to=0)  # to the first replica, by group rank
-                if dist.get_rank(self.group) == 0:
-                    state = optimizer.state_dict()
-                    # torch keeps the gathered copy, a whole optimizer state: drop it
-                    optimizer._all_state_dicts = []  # type: ignore[attr-defined]
-            elif optimizer is not None:
-                state = optimizer.state_dict()
-                state["state"] = {
-                    i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()
-                }
-            states.append((module, state))
+            module = partial(_whole, stage.module.state_dict())
+            states.append((self.collectives.call(weights, [self.group], module),
+                           self._optimizer_state(stage.optimizer)))
         return states
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+        """``optimizer``'s state_dict whole (None on a replica other than the first at zero
+        1, where torch consolidates it on the first only)."""
+        if optimizer is None:
+            return None
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):
+            state = optimizer.state_dict()
+            what = self._gathering("optimizer state", "DTensor.full_tensor's all-gathers")
+            state["state"] = self.collectives.call(what, [self.group], lambda: {
+                i: _whole(s) for i, s in state["state"].items()
+            })
+            return state
+        what = self._gathering(
+            "optimizer state", "ZeroRedundancyOptimizer.consolidate_state_dict's broadcasts")
+        self.collectives.call(what, [self.group], lambda: optimizer.consolidate_state_dict(to=0))
+        if dist.get_rank(self.group) != 0:  # to the first replica, by group rank
+            return None
+        state = optimizer.state_dict()
+        # torch keeps the gathered copy, a whole optimizer state: drop it
+        optimizer._all_state_dicts = []  # type: ignore[attr-defined]
+        return state
+
+    def _gathering(self, what: str, how: str) -> str:
+        """How errors name the gather of the sharded ``what`` for a checkpoint, by ``how``."""
+        return (f"gathering the sharded {what} for a checkpoint ({how} over the replicas, "
+                f"zero={self.zero})")
 
     @staticmethod
     def shard(
@@ -507,9 +533,9 @@ class Checkpointing:
         return modules, optimizer_state
 
 
-def _full(value: object) -> object:
-    """``value`` whole: a DTensor gathered from its shards (a collective), else as it is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+def _whole(state: dict[Any, Any]) -> dict[Any, Any]:
+    """``state`` with each DTensor gathered from its shards (a collective), the rest as it is."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def _like(sharded: DTensor, whole: torch.Tensor) -> DTensor:

@@ -301,3 +301,31 @@ def test_a_rank_that_never_joins_the_groups_or_the_shutdown_ends_the_others(case
             in run.error, run.error
     else:
         assert kind in run.error and run.named_peer, run.error
+
+
+# the gather of a sharded stage's state for a checkpoint (sharding.Checkpointing), per level
+SAVE_GATHERS = {1: "gathering the sharded optimizer state for a checkpoint "
+                   "(ZeroRedundancyOptimizer.consolidate_state_dict's broadcasts",
+                3: "gathering the sharded weights for a checkpoint (DTensor.full_tensor's "
+                   "all-gathers over the replicas, zero=3)"}
+
+
+@pytest.mark.parametrize(("case", "kind", "zero"), [
+    pytest.param(case, kind, zero, id=f"{case}-zero{zero}",
+                 marks=() if case == "killed rank" else pytest.mark.slow)
+    for case, kind, _ in SCRIPT_CASES for zero in SAVE_GATHERS])
+def test_a_replica_lost_in_a_checkpoints_gather_is_named_and_leaves_the_last_checkpoint(
+    case, kind, zero
+):
+    """1 stage x 2 replicas sharded at ``zero``, saving after every step, one replica
+    SIGSTOPped (rank 0, the store's host) or SIGKILLed (rank 1) as it enters the gather of
+    step 4's checkpoint: the other exits non-zero within timeout + 10 s (timeout=3), naming
+    the replica's stage and rank and the gather; ``latest`` still names step 3's complete
+    checkpoint, no partial one is left. Before: torch's own error ("Connection closed by
+    peer", "Application timeout caused pair closure"), naming no one."""
+    (run,) = run_job(case, timeout=3, at="save", replicas=2, stages=1, zero=zero).values()
+    assert passed(run, 3), run
+    assert kind in run.error and run.named_peer, run.error
+    assert SAVE_GATHERS[zero] in run.error, run.error
+    assert run.latest == "step-00000003" and "step-00000003/manifest.json" in run.saved, run
+    assert not [name for name in run.saved if "step-00000004" in name], run.saved

@@ -18,7 +18,10 @@ the settings (a gather, while the pipeline is built); ``gather``, the first forw
 WARMUP (zero 2 and 3: FSDP2's all-gather of the weights); ``zero-step``, the optimizer step of
 step WARMUP (zero 1: ZeroRedundancyOptimizer's broadcasts of the updated weights);
 ``groups``, the creation of the pipeline's process groups (placement.join); ``shutdown``,
-pipetrain.shutdown()'s barrier, training ending after WARMUP steps."""
+pipetrain.shutdown()'s barrier, training ending after WARMUP steps; ``save``, the checkpoint
+of step WARMUP + 1 (zero 1 to 3: the gather of the sharded state from the replicas).
+
+``--save FOLDER``: ``pipe.save(FOLDER)`` after every step."""
 
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository r
 import pipetrain  # noqa: E402
 from pipetrain.runtime import world  # noqa: E402
 from pipetrain.runtime.data_parallel import GradientSync  # noqa: E402
+from pipetrain.runtime.sharding import Checkpointing  # noqa: E402
 from pipetrain.runtime.stage import Stage  # noqa: E402
 from pipetrain.runtime.world import ProcessWorld  # noqa: E402
 from tests.runtime.models import batches, mlp, sgd  # noqa: E402
@@ -54,6 +58,7 @@ PLACES = {  # where a rank hits itself: the method entered, on which call
     "zero-step": (ZeroRedundancyOptimizer, "step", WARMUP + 1),
     "groups": (world, "join", 1),
     "shutdown": (pipetrain, "shutdown", 1),
+    "save": (Checkpointing, "whole", WARMUP + 1),
 }
 
 parser = argparse.ArgumentParser()
@@ -63,6 +68,7 @@ parser.add_argument("--replicas", type=int, default=1)
 parser.add_argument("--stages", type=int, default=2, choices=(1, 2))
 parser.add_argument("--zero", type=int, default=0)
 parser.add_argument("--hit", nargs=3, metavar=("RANK", "SIGNAL", "PLACE"))
+parser.add_argument("--save", metavar="FOLDER")
 args = parser.parse_args()
 if args.hit and args.hit[2] == "shutdown":
     args.steps = WARMUP
@@ -93,5 +99,7 @@ pipe = pipetrain.Pipeline(mlp(), [12] if args.stages == 1 else [6, 6], chunks=CH
 data = batches(4)
 for step in range(args.steps):
     pipe.train_step(*data[step % len(data)])
+    if args.save:
+        pipe.save(args.save)
     print(f"step {step}", flush=True)
 pipetrain.shutdown()
