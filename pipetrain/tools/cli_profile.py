@@ -123,6 +123,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 device=args.device,
                 reuse_times=args.reuse_times,
+                flops_per_second=args.flops_per_second,
             )
     except (ValueError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -197,6 +198,13 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="store_true",
         help="with --meta: time a run of identical layers once (the profile names the layer "
         "whose times each reuses)",
+    )
+    p.add_argument(
+        "--flops-per-second",
+        type=float,
+        help="with --meta: build and time nothing; each layer's times are its FLOPs (counted "
+        "on the meta device) at this rate, e.g. 4e14 for a GPU sustaining 400 TFLOP/s: an "
+        "estimate for planning on devices this machine lacks",
     )
     p.add_argument("-o", "--output", help="write the profile JSON here")
     p.set_defaults(run=cmd_profile)

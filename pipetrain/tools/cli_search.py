@@ -9,6 +9,7 @@ is printed, each other schedule's best, and what binds the choice.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,10 +64,13 @@ def refusal(found: Sequence[Candidate], args: argparse.Namespace) -> str:
     if needs and args.memory is not None:
         least = min(needs, key=lambda c: c.need or 0)
         assert least.need is not None
+        # --checkpoint auto already recomputes wherever the cap needs it
+        recompute = ", or --checkpoint auto" if args.checkpoint == "never" else ""
         return (f"infeasible: no point of the search fits the memory cap of "
                 f"{format_bytes(args.memory)} per device on {args.devices} devices; the least "
                 f"any needs is {format_bytes(least.need)} ({least.point.describe()}): pass "
-                f"--memory {least.need} or more, more --devices, or --checkpoint always")
+                f"--memory {math.ceil(least.need / 2**20)}MiB or more, more --devices"
+                f"{recompute}")
     first = found[0].reason if found else "no point to plan"
     return f"infeasible: no point of the search could be planned; e.g. {first}"
 

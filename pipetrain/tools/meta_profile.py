@@ -10,16 +10,26 @@ consecutive layers (same class, structure, tensor shapes and input) is timed onc
 layer of the run records the first one's times and names it in ``timed_as``. A layer's input
 is the previous layer's real output where that layer ran, else random values of the meta
 output's shape (zeros for integer tensors).
+
+With ``flops_per_second`` nothing is built: a layer's forward and backward times are their
+FLOPs (torch.utils.flop_counter, on the meta device) at that rate, for sizing a run on
+accelerators this machine does not have (a 70B model on a laptop). Matrix products and
+attention are counted, elementwise work (norms, activations, the embedding's lookup) is not,
+and the rate is whatever the user says the device sustains: an estimate, named as one in the
+profile's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner import LayerCost, Profile
 from pipetrain.layer_tree import LayerTree, layer_tree
@@ -31,24 +41,42 @@ from pipetrain.training.lazy import is_meta, reset_layer
 
 def profile(
     model: nn.Sequential | LayerTree, sample_input: object, *, optimizer: str = "adam",
-    warmup: int = 2,
-    repeats: int = 5, device: str | torch.device | None = None, reuse_times: bool = False,
+    warmup: int = 2, repeats: int = 5, device: str | torch.device | None = None,
+    reuse_times: bool = False, flops_per_second: float | None = None,
 ) -> Profile:
     """Profile ``model`` per layer (see pipetrain.tools.profiler): a model built on the meta
-    device one layer at a time (this module), any other as pipetrain.tools.profiler does."""
+    device one layer at a time (this module), any other as pipetrain.tools.profiler does.
+    ``flops_per_second`` (meta only): each layer's times are its forward's and backward's
+    FLOPs at that rate, counted on the meta device, nothing built or run (see the module
+    docstring)."""
     model = layer_tree(model, "profile")
+    timing = _Timing(warmup, repeats, torch.device(device or "cpu"), reuse_times,
+                     flops_per_second)
     if not is_meta(model):
-        if reuse_times:
+        if reuse_times or flops_per_second is not None:
             raise ValueError(
-                "reuse_times applies to a model built on the meta device; a built model's "
-                "layers are each timed (leave reuse_times out)"
+                "reuse_times and flops_per_second apply to a model built on the meta device; "
+                "a built model's layers are each timed (leave them out)"
             )
         return profiler.profile(
             model, sample_input, optimizer=optimizer, warmup=warmup, repeats=repeats,
             device=device,
         )
-    return _profile_meta(model, sample_input, optimizer, warmup, repeats,
-                         torch.device(device or "cpu"), reuse_times)
+    if flops_per_second is not None and not flops_per_second > 0:
+        raise ValueError(f"flops_per_second must be positive, got {flops_per_second}")
+    return _profile_meta(model, sample_input, optimizer, timing)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """How a meta profile gets its times: timed on ``device`` (``warmup``, ``repeats``, a run
+    of identical layers once with ``reuse_times``), or counted at ``flops_per_second``."""
+
+    warmup: int
+    repeats: int
+    device: torch.device
+    reuse_times: bool
+    flops_per_second: float | None
 
 
 def _check(model: LayerTree, sample_input: object, optimizer: str, warmup: int,
@@ -107,27 +135,26 @@ def _leaves(value: object, flags: list[bool]) -> object:
 
 
 def _time(model: LayerTree, index: int, name: str, value: object, flags: list[bool],
-          device: torch.device, warmup: int, repeats: int) -> tuple[float, float, object]:
+          timing: _Timing) -> tuple[float, float, object]:
     """Median forward and backward seconds of one materialized copy of layer ``index``, and
     its output (detached)."""
-    built = _build(model[index], device)
+    built = _build(model[index], timing.device)
     run = profiler._LayerRun(index, name, (built, model.bound(index, built)), value, flags)
     output: object = None
-    for sweep in range(warmup + repeats):
-        output = run.run(device, record=sweep >= warmup)
+    for sweep in range(timing.warmup + timing.repeats):
+        output = run.run(timing.device, record=sweep >= timing.warmup)
     result = (statistics.median(run.forward), statistics.median(run.backward))
     return *result, profiler._map(output, lambda t: t.detach())
 
 
 def _profile_meta(
-    model: LayerTree, sample_input: object, optimizer: str, warmup: int, repeats: int,
-    device: torch.device, reuse_times: bool,
+    model: LayerTree, sample_input: object, optimizer: str, timing: _Timing,
 ) -> Profile:
-    batch_size = _check(model, sample_input, optimizer, warmup, repeats)
+    batch_size = _check(model, sample_input, optimizer, timing.warmup, timing.repeats)
     names, counts = layer_signature(model)
     tied = profiler.tied_bytes(model)
     meta = profiler._map(sample_input, lambda t: t.to("meta"))
-    real = profiler._map(sample_input, lambda t: t.to(device))
+    real = profiler._map(sample_input, lambda t: t.to(timing.device))
     flags = [t.requires_grad for t in profiler.tensors_of(sample_input)]
     layers: list[LayerCost] = []
     previous: tuple[str, LayerCost] | None = None
@@ -139,8 +166,11 @@ def _profile_meta(
             record = saved_tensors(layer.parameters())
             try:
                 given = _leaves(meta, flags)
-                with record.recording():
+                counter = FlopCounterMode(display=False) if timing.flops_per_second else None
+                with record.recording(), counter or contextlib.nullcontext():
                     output = model.bound(index)(given)
+                if counter is not None:  # forward and backward FLOPs
+                    counted = (counter.get_total_flops(), _backward_flops(layer, output))
             except Exception as error:
                 raise ValueError(
                     f"layer {index} ({name}) cannot run on the meta device (on an input of "
@@ -159,23 +189,41 @@ def _profile_meta(
                 tied_bytes=tied[index], saved_bytes=chain.counts[-1][0],
                 saved_input_bytes=chain.counts[-1][1],
             )
-            if reuse_times and previous is not None and previous[0] == key:
+            if counter is not None:
+                rate = cast(float, timing.flops_per_second)
+                layers.append(replace(cost, forward=counted[0] / rate, backward=counted[1] / rate))
+            elif timing.reuse_times and previous is not None and previous[0] == key:
                 timed = previous[1]
                 layers.append(replace(cost, forward=timed.forward, backward=timed.backward,
                                       timed_as=timed.timed_as or timed.name))
-                real = _stand_in(output, device)
+                real = _stand_in(output, timing.device)
             else:
-                forward, backward, real = _time(
-                    model, index, name, real, flags, device, warmup, repeats
-                )
-                layers.append(replace(cost, forward=forward, backward=backward))
+                forward_s, backward_s, real = _time(model, index, name, real, flags, timing)
+                layers.append(replace(cost, forward=forward_s, backward=backward_s))
             previous = (key, layers[-1])
             flags = [t.requires_grad for t in profiler.tensors_of(output)]
             meta = profiler._map(output, lambda t: t.detach())
     for module, mode in zip(model.modules(), modes, strict=True):
         module.training = mode
-    return Profile(
-        device=profiler.device_name(device) + " (built on the meta device, a layer at a time)",
-        batch_size=batch_size, layers=layers,
-        input_bytes=profiler.nbytes(sample_input),
-    )
+    return Profile(device=_described(timing), batch_size=batch_size, layers=layers,
+                   input_bytes=profiler.nbytes(sample_input))
+
+
+def _backward_flops(layer: nn.Module, output: object) -> int:
+    """The FLOPs of ``output``'s backward through ``layer`` on the meta device (the gradients
+    it leaves on the layer's parameters are dropped)."""
+    outs = [t for t in profiler.tensors_of(output) if t.requires_grad]
+    with FlopCounterMode(display=False) as counted:
+        if outs:
+            torch.autograd.backward(outs, [torch.empty_like(t) for t in outs])
+    for p in layer.parameters():
+        p.grad = None
+    return int(counted.get_total_flops())
+
+
+def _described(timing: _Timing) -> str:
+    """The profile's device: where it was timed, or the rate its FLOPs were counted at."""
+    if timing.flops_per_second is not None:
+        return (f"{timing.flops_per_second:.3g} FLOP/s (estimated: FLOPs counted on the meta "
+                "device)")
+    return profiler.device_name(timing.device) + " (built on the meta device, a layer at a time)"

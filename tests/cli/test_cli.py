@@ -684,7 +684,15 @@ def test_the_search_honours_fixed_choices(profile_path, capsys):
 def test_the_search_refuses_naming_the_constraint(profile_path, capsys):
     code, _, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --memory 1kB", capsys)
     assert code == 2 and "no point of the search fits the memory cap" in err
-    assert re.search(r"the least any needs is .*: pass --memory \d+ or more", err)
+    suggested = re.search(r"the least any needs is .*: pass --memory (\d+MiB) or more, more "
+                          r"--devices$", err.strip())
+    assert suggested, err  # --checkpoint auto (the default) already recomputes where it helps
+    code, out, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --memory "
+                         f"{suggested.group(1)}", capsys)
+    assert code == 0 and out.startswith("searched"), err  # the cap it names is enough
+    code, _, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --memory 1kB "
+                       "--checkpoint never", capsys)
+    assert code == 2 and err.strip().endswith("more --devices, or --checkpoint auto"), err
     code, _, err = run(f"plan {profile_path} --devices 4 --batch-size 8 --stages 3", capsys)
     assert code == 2 and "--stages 3 does not divide the 4 devices" in err
     code, _, err = run(f"plan {profile_path} --devices 4 --batch-size 3 --stages 1", capsys)
