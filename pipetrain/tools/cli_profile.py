@@ -129,6 +129,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(f"profiling failed: {message}") from None
     print(profile_table(result))
+    if args.flops_per_second is not None:  # counted, not timed: no threads, no noise
+        return _saved(result, args.output)
     print(
         f"{threads} torch threads"
         + ("" if args.threads else f" (the {_cores()} cores / --ranks-per-node "
@@ -140,9 +142,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     if said is not None:
         print(f"{PROG} profile: warning: {said}", file=sys.stderr)
-    if args.output:
-        save(result.to_json(), args.output)
-        print(f"wrote {args.output}")
+    return _saved(result, args.output)
+
+
+def _saved(result: Profile, output: str | None) -> int:
+    """Write the profile where ``--output`` says; the exit status."""
+    if output:
+        save(result.to_json(), output)
+        print(f"wrote {output}")
     return 0
 
 
