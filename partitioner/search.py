@@ -259,7 +259,8 @@ def weight_floor(profile: Profile, point: Point) -> int:
         zero=point.zero, data_parallel=point.data_parallel,
         reduce_scatter="microbatch" if point.zero >= 2 else "step",
     )
-    held = held_weight_bytes(problem) + problem.activation_bytes
+    credit = 0 if problem.input_bytes is None else problem.input_bytes
+    held = held_weight_bytes(problem) + problem.activation_bytes - credit
     return max(-(-int(held.sum()) // point.stages), int(held.max()))
 
 
