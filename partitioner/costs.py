@@ -2,7 +2,9 @@
 
 Everything here is per micro-batch of ``microbatch_size`` samples. A profile measured a batch of
 ``batch_size``; times and activation bytes are scaled by ``microbatch_size / batch_size`` (assumed
-linear), activation bytes rounded up to whole bytes. Parameters do not scale.
+linear), activation bytes rounded up to whole bytes, except a layer's fixed time (the profile's
+``forward_fixed``/``backward_fixed``, fitted from two batch sizes), which does not scale.
+Parameters do not scale.
 
 Time of stage t holding layers [i, j) on ``r`` replicas of speed ``v``::
 
@@ -344,6 +346,12 @@ def make_problem(
     )
 
 
+def _time_at(seconds: float, fixed: float, scale: float) -> float:
+    """A layer's time at ``scale`` times the profiled batch: its fixed part, and the rest
+    in proportion."""
+    return fixed + (seconds - fixed) * scale
+
+
 def _scaled(values: Sequence[int], num: int, den: int) -> np.ndarray:
     """``values * num / den`` rounded up, exactly, as int64."""
     arr = np.asarray(values, dtype=np.int64)
@@ -390,12 +398,15 @@ def problem_from_profile(
         for p, boundary in enumerate(profile.boundaries, 1):
             cut[p] = output[list(boundary.sources)].sum()
     allowed = [True] + [profile.cut_allowed(p) for p in range(len(layers) - 1)] + [True]
+    forward = [_time_at(layer.forward, layer.forward_fixed, scale) for layer in layers]
+    backward = [_time_at(layer.backward, layer.backward_fixed, scale) for layer in layers]
     problem = make_problem(
-        [layer.forward * scale for layer in layers],
-        [layer.backward * scale for layer in layers],
+        forward,
+        backward,
         stages=stages,
         weight_gradient=[
-            weight_gradient_share(layer.backward * scale, layer.param_count) for layer in layers
+            weight_gradient_share(t, layer.param_count)
+            for t, layer in zip(backward, layers, strict=True)
         ],
         weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
         activation_bytes=act,
