@@ -236,7 +236,7 @@ def held_bytes(stage: Any) -> int:
 
     params = list(stage.module.parameters())
     total = sum(p.nbytes for p in params)
-    total += sum(p.nbytes for p in params if p.requires_grad)  # each gets a gradient a step
+    total += sum(p.grad.nbytes for p in params if p.grad is not None)  # kept between steps
     optimizer = stage.optimizer
     if optimizer is not None:
         for state in optimizer.state.values():
