@@ -18,7 +18,7 @@ from partitioner.errors import (
     Remedy,
 )
 from partitioner.plans import Host, Plan, StagePlan
-from partitioner.profile import Boundary, LayerCost, Profile
+from partitioner.profile import Boundary, LayerCost, Profile, with_fixed_times
 from partitioner.units import format_bytes, parse_bandwidth, parse_bytes
 
 # The names below need networkx or pulp, which only planning uses: they load on first use, so
@@ -84,4 +84,5 @@ __all__ = [
     "solve",
     "solve_ilp",
     "stage_costs",
+    "with_fixed_times",
 ]

@@ -2,7 +2,9 @@
 
 Everything here is per micro-batch of ``microbatch_size`` samples. A profile measured a batch of
 ``batch_size``; times and activation bytes are scaled by ``microbatch_size / batch_size`` (assumed
-linear), activation bytes rounded up to whole bytes. Parameters do not scale.
+linear), activation bytes rounded up to whole bytes, except a layer's fixed time (the profile's
+``forward_fixed``/``backward_fixed``, fitted from two batch sizes), which does not scale.
+Parameters do not scale.
 
 Time of stage t holding layers [i, j) on ``r`` replicas of speed ``v``::
 
@@ -24,9 +26,13 @@ of its share of the batch), r above is r d in the all-reduce and the sharding, n
 
 Memory of one device of stage t, with ``k`` micro-batches in flight (``inflight``)::
 
-    never:  weights[i:j] + k * (cut_bytes[i] + activation_bytes[i:j])
-    always: weights[i:j] + k * cut_bytes[i] + activation_bytes[i:j]
+    never:  weights[i:j] + k * (cut_bytes[i] + activation_bytes[i:j] - input_bytes[i])
+    always: weights[i:j] + k * cut_bytes[i] + activation_bytes[i:j] - input_bytes[i]
 
+``activation_bytes`` is what a layer's forward saves for its backward (the profile's
+``saved_bytes``, or its output where a profile did not measure that), ``input_bytes[i]`` the
+part of it that is layer i's input (``saved_input_bytes``, at most ``cut_bytes[i]``): a stage
+starting at layer i keeps that once, as the input it received.
 ``weights`` is parameters + gradients (same size) + optimizer state, each divided by the stage's
 replicas where ``zero`` shards it (1: the optimizer state; 2: and the gradients; 3: and the
 parameters: ZeRO, pipetrain/runtime/sharding.py; the gradients only where they are
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -152,6 +158,9 @@ class Problem:
     zero: int = 0  # what a replicated stage shards over its replicas (module docstring)
     reduce_scatter: str = "step"  # zero 2 and 3: gradients reduced per step or micro-batch
     data_parallel: int = 1  # copies of the whole pipeline, each running every micro-batch
+    # (L,) int64 or None (zeros): the part of a layer's activation_bytes that is its input,
+    # which a stage starting at the layer holds once as the input it received (cut_bytes)
+    input_bytes: np.ndarray | None = None
 
     def ring(self, replicas: int) -> int:
         """Devices that all-reduce (and under ``zero`` shard) a stage on ``replicas`` replicas:
@@ -337,6 +346,12 @@ def make_problem(
     )
 
 
+def _time_at(seconds: float, fixed: float, scale: float) -> float:
+    """A layer's time at ``scale`` times the profiled batch: its fixed part, and the rest
+    in proportion."""
+    return fixed + (seconds - fixed) * scale
+
+
 def _scaled(values: Sequence[int], num: int, den: int) -> np.ndarray:
     """``values * num / den`` rounded up, exactly, as int64."""
     arr = np.asarray(values, dtype=np.int64)
@@ -372,21 +387,26 @@ def problem_from_profile(
         raise ValueError(f"microbatch_size must be >= 1, got {size}")
     layers = profile.layers
     scale = size / profile.batch_size
-    act = _scaled([layer.activation_bytes for layer in layers], size, profile.batch_size)
+    act = _scaled([layer.kept_bytes for layer in layers], size, profile.batch_size)
+    saved_input = _scaled([layer.saved_input_bytes for layer in layers], size, profile.batch_size)
     cut = np.zeros(len(layers) + 1, dtype=np.int64)
     cut[0] = _scaled([profile.input_bytes], size, profile.batch_size)[0]
+    output = _scaled([layer.activation_bytes for layer in layers], size, profile.batch_size)
     if profile.boundaries is None:  # a chain: layer p - 1's output crosses cut p
-        cut[1:-1] = act[:-1]
+        cut[1:-1] = output[:-1]
     else:
         for p, boundary in enumerate(profile.boundaries, 1):
-            cut[p] = act[list(boundary.sources)].sum()
+            cut[p] = output[list(boundary.sources)].sum()
     allowed = [True] + [profile.cut_allowed(p) for p in range(len(layers) - 1)] + [True]
-    return make_problem(
-        [layer.forward * scale for layer in layers],
-        [layer.backward * scale for layer in layers],
+    forward = [_time_at(layer.forward, layer.forward_fixed, scale) for layer in layers]
+    backward = [_time_at(layer.backward, layer.backward_fixed, scale) for layer in layers]
+    problem = make_problem(
+        forward,
+        backward,
         stages=stages,
         weight_gradient=[
-            weight_gradient_share(layer.backward * scale, layer.param_count) for layer in layers
+            weight_gradient_share(t, layer.param_count)
+            for t, layer in zip(backward, layers, strict=True)
         ],
         weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
         activation_bytes=act,
@@ -406,6 +426,7 @@ def problem_from_profile(
         reduce_scatter=reduce_scatter,
         data_parallel=data_parallel,
     )
+    return replace(problem, input_bytes=saved_input)
 
 
 # --- the canonical formulas; the solvers and the plan all evaluate stages through these ---
@@ -464,10 +485,14 @@ def memory_terms(
     keeps one micro-batch's activations instead of ``inflight``'s; on ``replicas`` replicas
     the weights ``problem.zero`` shards are divided among them."""
     k = problem.inflight[stage]
-    kept = problem.activation_bytes * (1 if recompute else k)
+    copies = 1 if recompute else k
+    kept = problem.activation_bytes * copies
     weights = held_weight_bytes(problem, replicas) if problem.zero else problem.weight_bytes
     head = np.concatenate(([0], np.cumsum(weights + kept))).astype(np.int64)
-    return head, k * problem.cut_bytes - head
+    tail = k * problem.cut_bytes - head
+    if problem.input_bytes is not None:  # the first layer's saved input is the received one
+        tail[:-1] -= copies * np.minimum(problem.input_bytes, problem.cut_bytes[:-1])
+    return head, tail
 
 
 @dataclass(frozen=True)

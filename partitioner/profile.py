@@ -30,7 +30,8 @@ older profiles: the planner then counts ``activation_bytes``) is what the layer'
 for its backward, parameters left out, counted once along the chain (a layer's input that the
 layer before already saved as its output is that layer's), and ``"saved_input_bytes": N`` the
 part of it that is the layer's input: a stage starting at the layer holds its received input
-instead.
+instead. ``"forward_fixed"`` and ``"backward_fixed"`` (0 when absent) are the seconds of each
+time that do not grow with the batch (:func:`with_fixed_times` fits them from two profiles).
 
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -69,7 +70,10 @@ class LayerCost:
     blocks, timed once), or is None where the layer was timed itself. ``tied_bytes``: the part
     of ``param_bytes`` that another layer holds too (a tied weight). ``saved_bytes``: what its
     forward saves for the backward (None: not measured, read as ``activation_bytes``), of which
-    ``saved_input_bytes`` is its input.
+    ``saved_input_bytes`` is its input. ``forward_fixed``/``backward_fixed``: the part of
+    each time that does not grow with the batch (per-call overhead: launching, dispatching
+    small ops), from profiles at two batch sizes (:func:`with_fixed_times`); the planner
+    scales only the rest with the micro-batch (0: all of it, times proportional to samples).
     """
 
     name: str
@@ -84,6 +88,8 @@ class LayerCost:
     tied_bytes: int = 0
     saved_bytes: int | None = None
     saved_input_bytes: int = 0
+    forward_fixed: float = 0.0
+    backward_fixed: float = 0.0
 
     @property
     def kept_bytes(self) -> int:
@@ -95,6 +101,9 @@ class LayerCost:
         for what in ("forward", "backward"):
             if not getattr(self, what) >= 0:
                 raise ValueError(f"layer {self.name!r}: {what} time must be >= 0 seconds")
+            if not 0 <= getattr(self, f"{what}_fixed") <= getattr(self, what):
+                raise ValueError(f"layer {self.name!r}: {what}_fixed is the part of its "
+                                 f"{what} time that does not grow with the batch: 0 to it")
         if not self.spread >= 0:
             raise ValueError(f"layer {self.name!r}: spread must be >= 0, got {self.spread}")
         for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes",
@@ -221,7 +230,7 @@ def _layer_dict(layer: LayerCost) -> dict[str, Any]:
     for key in ("timed_as", "saved_bytes"):
         if data[key] is None:
             del data[key]
-    for key in ("tied_bytes", "saved_input_bytes"):
+    for key in ("tied_bytes", "saved_input_bytes", "forward_fixed", "backward_fixed"):
         if not data[key]:
             del data[key]
     return data
@@ -286,3 +295,27 @@ def _profile_from_dict(data: Mapping[str, Any]) -> Profile:
         if isinstance(err, ProfileError):
             raise
         raise ProfileError(str(err)) from None
+
+
+def with_fixed_times(profile: Profile, other: Profile) -> Profile:
+    """``profile`` with each layer's ``forward_fixed``/``backward_fixed`` fitted from
+    ``other``, the same model profiled at another batch size: time = fixed + per-sample x
+    samples through the two measurements, the fixed part clipped to [0, the time at the
+    smaller batch] (a layer whose times did not grow with the batch is all fixed; one that
+    grew faster than its samples, none)."""
+    if len(profile.layers) != len(other.layers) or profile.batch_size == other.batch_size:
+        raise ValueError("with_fixed_times needs the same layers profiled at two batch sizes")
+    a, b = profile.batch_size, other.batch_size
+    small = min(a, b)
+
+    def fixed(ta: float, tb: float) -> float:
+        per_sample = (tb - ta) / (b - a)
+        at_small = ta if a == small else tb
+        return min(max(ta - per_sample * a, 0.0), at_small, ta)
+
+    layers = [
+        replace(mine, forward_fixed=fixed(mine.forward, theirs.forward),
+                backward_fixed=fixed(mine.backward, theirs.backward))
+        for mine, theirs in zip(profile.layers, other.layers, strict=True)
+    ]
+    return replace(profile, layers=layers)

@@ -176,7 +176,9 @@ class _Work:
     @staticmethod
     def of(profile: Profile, recompute: bool, bandwidth: float | str | None) -> _Work:
         layers = profile.layers
-        total = np.array([layer.forward + layer.backward for layer in layers])
+        # per sample only what grows with the batch: the floor stays under any micro-batch's
+        total = np.array([layer.forward + layer.backward - layer.forward_fixed
+                          - layer.backward_fixed for layer in layers])
         shares = [layer.forward / (layer.forward * (2 if recompute else 1) + layer.backward)
                   for layer in layers if layer.forward + layer.backward > 0]
         link = math.inf if bandwidth is None else parse_bandwidth(bandwidth)
@@ -259,7 +261,8 @@ def weight_floor(profile: Profile, point: Point) -> int:
         zero=point.zero, data_parallel=point.data_parallel,
         reduce_scatter="microbatch" if point.zero >= 2 else "step",
     )
-    held = held_weight_bytes(problem) + problem.activation_bytes
+    credit = 0 if problem.input_bytes is None else problem.input_bytes
+    held = held_weight_bytes(problem) + problem.activation_bytes - credit
     return max(-(-int(held.sum()) // point.stages), int(held.max()))
 
 
