@@ -27,7 +27,7 @@ from pipetrain.observe.trace import Recorder, measure_clock_offset
 from pipetrain.runtime.agreement import check_same
 from pipetrain.runtime.collectives import Collectives, rank_names
 from pipetrain.runtime.data_parallel import GradientSync, JointSync, Sync, VersionSync
-from pipetrain.runtime.distributed import bound_shutdown, local_device, quiet_io_threads
+from pipetrain.runtime.distributed import bound_shutdown, local_device
 from pipetrain.runtime.executor import Executor
 from pipetrain.runtime.placement import Groups, Placement, join
 from pipetrain.runtime.tags import CLOCK_TAG
@@ -300,10 +300,9 @@ class ProcessWorld(World):
     def place(self, schedule: Schedule, tied_stages: Sequence[tuple[int, ...]]) -> None:
         rank_sets = [tuple(sorted({schedule.rank_of(s) for s in ss})) for ss in tied_stages]
         cross = [r for r in rank_sets if len(r) > 1]
-        with quiet_io_threads():
-            self.placement, self.groups = join(
-                self.group, schedule.ranks, self.replicas, cross, self.timeout
-            )
+        self.placement, self.groups = join(
+            self.group, schedule.ranks, self.replicas, cross, self.timeout
+        )
         self.rank = self.placement.ranks[0]
         self._device = local_device()
         user = self.group or dist.group.WORLD
