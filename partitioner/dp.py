@@ -156,6 +156,10 @@ class _Sweep:
         self.start = np.zeros(layers + 1, dtype=bool)
         self.start[0] = True
         self.buffer = np.empty((int(self.floor_log2[layers + 1]) + 1, layers + 1), dtype=np.int64)
+        # what the last probed time's probes share: its windows and each stage's ends
+        self.at_time = math.nan
+        self.at_windows: dict[tuple[float, int, bool], _Window] = {}
+        self.at_ends: dict[int, np.ndarray] = {}
 
     def _prefix(self, stage: int, replicas: int, recompute: bool) -> np.ndarray:
         key = (self.problem.speed[stage], replicas, recompute)
@@ -180,12 +184,15 @@ class _Sweep:
         """Reachable positions per stage boundary if some split has every stage cost <= time
         and memory <= min(memory, the device's cap), else None."""
         problem = self.problem
-        windows: dict[tuple[float, int, bool], _Window] = {}
+        if time != self.at_time:  # the memory search probes one time many times
+            self.at_time, self.at_windows, self.at_ends = time, {}, {}
+        windows = self.at_windows
         states: States = [{0: self.start}]
         for t in range(problem.stages):
-            end = self.ends[t]
-            if t < problem.stages - 1:
-                end = end & (self.links[t] <= time)
+            end = self.at_ends.get(t)
+            if end is None:
+                end = self.at_ends[t] = self.ends[t] if t == problem.stages - 1 else (
+                    self.ends[t] & (self.links[t] <= time))
             reached: dict[int, np.ndarray] = {}
             for mode in problem.modes:
                 key = (t, mode)
@@ -208,7 +215,7 @@ class _Sweep:
         self, windows: dict[tuple[float, int, bool], _Window], stage: int, replicas: int,
         recompute: bool, time: float,
     ) -> _Window:
-        """The window of starts cheap enough for ``stage`` on ``replicas`` (cached per probe)."""
+        """The window of starts cheap enough for ``stage`` on ``replicas`` (cached per time)."""
         key = (self.problem.speed[stage], replicas, recompute)
         if key not in windows:
             windows[key] = _Window(self._prefix(stage, replicas, recompute), time, self.floor_log2)
