@@ -64,35 +64,50 @@ REDUCE_SCATTER = ("step", "microbatch")  # when zero 2 and 3 reduce the gradient
 Values = Sequence[float] | np.ndarray  # one number per layer (or per position)
 
 
-_BUILT: dict[tuple[object, int, int, int], Schedule] = {}
+_Key = tuple[object, int, int, int]
+_BUILT: dict[_Key, Schedule] = {}
 _BUILT_MOST = 1024  # schedules kept; the cache starts over past this many
+_VALID: set[_Key] = set()  # the keys of _BUILT validated
+_INFLIGHT: dict[_Key, tuple[int, ...]] = {}  # schedules.inflight of each kept schedule
 
 
 def pipeline_schedule(
-    schedule: str, stages: int, microbatches: int, virtual_stages: int = 2
+    schedule: str, stages: int, microbatches: int, virtual_stages: int = 2, *,
+    checked: bool = True,
 ) -> Schedule:
-    """The schedule ``schedule`` for ``stages`` stages, validated. A schedule that puts several
-    stages on a rank ("interleaved") runs them as ``virtual_stages`` stages per rank on
-    ``stages / virtual_stages`` ranks, stage s on rank s mod ranks.
+    """The schedule ``schedule`` for ``stages`` stages, validated (``checked``; a caller that
+    only counts along the lists, before a plan that simulates them, may leave that to the
+    simulation). A schedule that puts several stages on a rank ("interleaved") runs them as
+    ``virtual_stages`` stages per rank on ``stages / virtual_stages`` ranks, stage s on rank
+    s mod ranks.
 
     Each is generated and validated once and then kept (a search plans many splits under the
     same schedule), so what this returns needs no validating again (``simulate(...,
     validated=True)``); a schedule registered again under the same name is generated anew."""
-    spec = lookup(schedule)
-    key = (spec, stages, microbatches, virtual_stages if spec.multi_stage_per_rank else 0)
+    key = _key(schedule, stages, microbatches, virtual_stages)
     built = _BUILT.get(key)
     if built is None:
         built = _generate(schedule, stages, microbatches, virtual_stages)
-        validate(built)
         if len(_BUILT) >= _BUILT_MOST:
-            _BUILT.clear()
+            forget_schedules()
         _BUILT[key] = built
+    if checked and key not in _VALID:
+        validate(built)
+        _VALID.add(key)
     return built
 
 
+def _key(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> _Key:
+    """What a kept schedule is kept by: its entry (one registered again is another) and size."""
+    spec = lookup(schedule)
+    return spec, stages, microbatches, virtual_stages if spec.multi_stage_per_rank else 0
+
+
 def forget_schedules() -> None:
-    """Drop the schedules :func:`pipeline_schedule` keeps."""
+    """Drop the schedules :func:`pipeline_schedule` keeps, and what was counted along them."""
     _BUILT.clear()
+    _VALID.clear()
+    _INFLIGHT.clear()
 
 
 def _generate(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -116,9 +131,14 @@ def inflight(
 ) -> list[int]:
     """Micro-batches whose activations stage s holds at once (GPipe m, 1F1B min(m, S - s),
     PipeDream S - s across calls): the schedule's registry entry says, or counts it along the
-    generated lists (:func:`schedules.inflight`), per stage even where stages share a rank."""
-    built = pipeline_schedule(schedule, stages, microbatches, virtual_stages)
-    return list(schedule_inflight(built))
+    generated lists (:func:`schedules.inflight`), per stage even where stages share a rank.
+    The lists are validated where a plan simulates them, not here: a search counts along
+    many it never simulates."""
+    key = _key(schedule, stages, microbatches, virtual_stages)
+    if key not in _INFLIGHT:
+        built = pipeline_schedule(schedule, stages, microbatches, virtual_stages, checked=False)
+        _INFLIGHT[key] = schedule_inflight(built)
+    return list(_INFLIGHT[key])
 
 
 def weight_gradient_share(backward: float, param_count: int) -> float:
@@ -519,12 +539,33 @@ class StageCost:
         return max(self.compute, self.link)
 
 
-def _fits(problem: Problem, stage: int, start: int, stop: int, replicas: int = 1) -> bool:
-    """Whether the stage on layers [start, stop) on ``replicas`` replicas fits its device's
-    memory cap keeping its activations."""
-    cap = problem.memory[stage]
-    head, tail = memory_terms(problem, stage, replicas=replicas)
-    return cap is None or int(head[stop] + tail[start]) <= cap
+class _Terms:
+    """:func:`memory_terms` and :func:`compute_prefix` of one problem, each computed once per
+    distinct input: stages alike (the same in-flight count, the same speed) share them."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self._memory: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._prefix: dict[tuple[float, int, bool], np.ndarray] = {}
+
+    def memory(self, stage: int, recompute: bool, replicas: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (self.problem.inflight[stage], recompute, replicas)
+        if key not in self._memory:
+            self._memory[key] = memory_terms(self.problem, stage, recompute, replicas)
+        return self._memory[key]
+
+    def prefix(self, stage: int, replicas: int, recompute: bool) -> np.ndarray:
+        key = (self.problem.speed[stage], replicas, recompute)
+        if key not in self._prefix:
+            self._prefix[key] = compute_prefix(self.problem, stage, replicas, recompute)
+        return self._prefix[key]
+
+    def fits(self, stage: int, start: int, stop: int, replicas: int = 1) -> bool:
+        """Whether the stage on layers [start, stop) on ``replicas`` replicas fits its
+        device's memory cap keeping its activations."""
+        cap = self.problem.memory[stage]
+        head, tail = self.memory(stage, False, replicas)
+        return cap is None or int(head[stop] + tail[start]) <= cap
 
 
 def evaluate(
@@ -541,20 +582,21 @@ def evaluate(
     reps = [1] * problem.stages if replicas is None else list(replicas)
     if len(bounds) != problem.stages + 1 or len(reps) != problem.stages:
         raise ValueError(f"a split into {problem.stages} stages needs {problem.stages + 1} bounds")
+    terms = _Terms(problem)
     if recompute is None:
         recompute = [
             problem.checkpoint == "always"
             or (problem.checkpoint == "auto"
-                and not _fits(problem, t, bounds[t], bounds[t + 1], reps[t]))
+                and not terms.fits(t, bounds[t], bounds[t + 1], reps[t]))
             for t in range(problem.stages)
         ]
     out = []
     for t in range(problem.stages):
         i, j, r, again = bounds[t], bounds[t + 1], reps[t], bool(recompute[t])
         divisor = problem.speed[t] * r
-        head, tail = memory_terms(problem, t, again, r)
+        head, tail = terms.memory(t, again, r)
         grads = float(problem.param_bytes[i:j].sum())
-        prefix = compute_prefix(problem, t, r, again)
+        prefix = terms.prefix(t, r, again)
         last = t == problem.stages - 1
         forward = float(problem.forward[i:j].sum()) / divisor
         out.append(

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -50,7 +51,9 @@ _BIG = np.int64(2**62)  # "no reachable start" in the range-minimum table
 _CAP_CEILING = 2**61  # caps above this (2 EiB) change nothing and keep H + _BIG > cap
 _NARROW = 2.0**-20  # bisect the bottleneck to this relative width, then list what is inside
 _MAX_CANDIDATES = 1 << 22
+_FEW_CANDIDATES = 1 << 14  # this few costs in the first interval are searched without bisecting
 
+_T = TypeVar("_T")
 States = list[dict[int, np.ndarray]]  # per stage boundary: devices used -> reachable positions
 
 
@@ -153,6 +156,10 @@ class _Sweep:
         self.start = np.zeros(layers + 1, dtype=bool)
         self.start[0] = True
         self.buffer = np.empty((int(self.floor_log2[layers + 1]) + 1, layers + 1), dtype=np.int64)
+        # what the last probed time's probes share: its windows and each stage's ends
+        self.at_time = math.nan
+        self.at_windows: dict[tuple[float, int, bool], _Window] = {}
+        self.at_ends: dict[int, np.ndarray] = {}
 
     def _prefix(self, stage: int, replicas: int, recompute: bool) -> np.ndarray:
         key = (self.problem.speed[stage], replicas, recompute)
@@ -177,12 +184,15 @@ class _Sweep:
         """Reachable positions per stage boundary if some split has every stage cost <= time
         and memory <= min(memory, the device's cap), else None."""
         problem = self.problem
-        windows: dict[tuple[float, int, bool], _Window] = {}
+        if time != self.at_time:  # the memory search probes one time many times
+            self.at_time, self.at_windows, self.at_ends = time, {}, {}
+        windows = self.at_windows
         states: States = [{0: self.start}]
         for t in range(problem.stages):
-            end = self.ends[t]
-            if t < problem.stages - 1:
-                end = end & (self.links[t] <= time)
+            end = self.at_ends.get(t)
+            if end is None:
+                end = self.at_ends[t] = self.ends[t] if t == problem.stages - 1 else (
+                    self.ends[t] & (self.links[t] <= time))
             reached: dict[int, np.ndarray] = {}
             for mode in problem.modes:
                 key = (t, mode)
@@ -205,7 +215,7 @@ class _Sweep:
         self, windows: dict[tuple[float, int, bool], _Window], stage: int, replicas: int,
         recompute: bool, time: float,
     ) -> _Window:
-        """The window of starts cheap enough for ``stage`` on ``replicas`` (cached per probe)."""
+        """The window of starts cheap enough for ``stage`` on ``replicas`` (cached per time)."""
         key = (self.problem.speed[stage], replicas, recompute)
         if key not in windows:
             windows[key] = _Window(self._prefix(stage, replicas, recompute), time, self.floor_log2)
@@ -249,9 +259,9 @@ class _Sweep:
             np.minimum(table[k - 1, :span], table[k - 1, half : half + span], out=table[k, :span])
         return table
 
-    def costs_between(self, lo: float, hi: float) -> np.ndarray | None:
+    def costs_between(self, lo: float, hi: float, most: int = _MAX_CANDIDATES) -> np.ndarray | None:
         """Every stage or link cost in (lo, hi], sorted and distinct; None if there are more
-        than _MAX_CANDIDATES."""
+        than ``most``."""
         problem = self.problem
         found = [link[(link > lo) & (link <= hi)] for link in self.links[:-1]]
         pos = np.arange(problem.layers + 1)
@@ -266,11 +276,35 @@ class _Sweep:
             stop = np.minimum(np.searchsorted(prefix, prefix - lo, side="left") + 1, pos)
             counts = np.maximum(stop - first, 0)
             listed += int(counts.sum())
-            if listed > _MAX_CANDIDATES:
+            if listed > most:
                 return None
             ends = np.repeat(pos, counts)
             offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
             values = prefix[ends] - prefix[np.repeat(first, counts) + offsets]
+            found.append(values[(values > lo) & (values <= hi)])
+        return np.unique(np.concatenate(found))
+
+    def memories_between(self, time: float, lo: int, hi: int) -> np.ndarray | None:
+        """Every memory in (lo, hi] of a stage whose compute fits ``time``, sorted and
+        distinct: the least cap at which a split has every stage cost <= ``time`` is the
+        memory of one of its stages, so it is among them. None if there are more than
+        _MAX_CANDIDATES stages to list."""
+        problem = self.problem
+        pos = np.arange(problem.layers + 1)
+        found, listed = [], 0
+        alike = {(problem.inflight[t], problem.speed[t]): t for t in range(problem.stages)}
+        for t, r, mode in itertools.product(
+            alike.values(), range(1, problem.devices - problem.stages + 2), problem.modes
+        ):
+            first = _Window(self._prefix(t, r, mode), time, self.floor_log2).lo
+            counts = pos - first  # the starts first[j] .. j - 1 of a stage ending at j
+            listed += int(counts.sum())
+            if listed > _MAX_CANDIDATES:
+                return None
+            ends = np.repeat(pos, counts)
+            offsets = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)
+            head, tail = self._memory(t, mode, r)
+            values = head[ends] + tail[np.repeat(first, counts) + offsets]
             found.append(values[(values > lo) & (values <= hi)])
         return np.unique(np.concatenate(found))
 
@@ -366,48 +400,85 @@ def _structure_error(problem: Problem) -> InfeasibleError:
     )
 
 
-def _least_time(sweep: _Sweep, hi: float) -> float:
-    """The least T at which some split has every stage cost <= T; ``hi`` is feasible.
+def _least_time(sweep: _Sweep, hi: float, least: float = 0.0) -> float:
+    """The least T at which some split has every stage cost <= T; ``hi`` is feasible, no T
+    under ``least`` is.
 
     That T is the cost of one stage or link of the best split, so once bisection has narrowed
-    the interval, the stage and link costs inside it are listed and searched exactly."""
+    the interval (from the start where few costs lie in it), the stage and link costs inside it
+    are listed and searched exactly."""
     problem = sweep.problem
 
     def fast_enough(limit: float) -> bool:
         return sweep.probe(limit, None) is not None
 
+    if 0.0 < least <= hi and fast_enough(least):
+        return least
     lo = float(problem.cost.sum()) / (max(problem.speed) * problem.devices)
     if lo == 0.0 and fast_enough(0.0):
         return 0.0
     if lo >= hi or fast_enough(lo):  # the lower bound is (nearly) reached
         lo, hi = 0.0, min(lo, hi)
-    while hi - lo > hi * _NARROW:
+    lo = max(lo, min(least, hi))
+    values = sweep.costs_between(lo, hi, _FEW_CANDIDATES)
+    while values is None and hi - lo > hi * _NARROW:
         mid = lo + (hi - lo) / 2
         if fast_enough(mid):
             hi = mid
         else:
             lo = mid
-    values = sweep.costs_between(lo, hi)
+    if values is None:
+        values = sweep.costs_between(lo, hi)
     if values is None:  # degenerate: too many stage costs in the interval to list
         return _least_float(fast_enough, lo, hi)
-    candidates = [*map(float, values), hi]  # hi is feasible, so the search always lands
+    return _first_feasible(fast_enough, [*map(float, values), hi])
+
+
+def _least_memory(sweep: _Sweep, time: float, hi: int) -> int:
+    """The least memory cap at which some split has every stage cost <= ``time``; ``hi`` is
+    feasible. It is one of its stages' memories: those in range are listed and searched."""
+    lo = _memory_floor(sweep.problem) - 1
+
+    def small_enough(cap: int) -> bool:
+        return sweep.probe(time, cap) is not None
+
+    values = sweep.memories_between(time, lo, hi)
+    if values is None:  # degenerate: too many stages to list
+        return _least_int(small_enough, lo, hi)
+    return _first_feasible(small_enough, [*map(int, values), hi])
+
+
+def _first_feasible(feasible: Callable[[_T], bool], candidates: list[_T]) -> _T:
+    """The first of ascending ``candidates`` that is feasible, given that the last is."""
     a, b = -1, len(candidates) - 1
     while b - a > 1:
-        mid_index = (a + b) // 2
-        if fast_enough(candidates[mid_index]):
-            b = mid_index
+        mid = (a + b) // 2
+        if feasible(candidates[mid]):
+            b = mid
         else:
-            a = mid_index
+            a = mid
     return candidates[b]
 
 
-def solve(problem: Problem) -> Split:
+def least_bottleneck(problem: Problem) -> float:
+    """The least bottleneck of any split of ``problem`` without its memory caps and without
+    recomputation: no split :func:`solve` may choose beats it, with them or with any other
+    caps and in-flight counts (a search passes it as ``least`` to problems of the same costs)."""
+    sweep = _Sweep(replace(problem, checkpoint="never", memory=(None,) * problem.stages))
+    states = sweep.probe(math.inf, None)
+    if states is None:
+        raise _structure_error(problem)
+    return _least_time(sweep, sweep.trace(states, math.inf, None).bottleneck)
+
+
+def solve(problem: Problem, least: float = 0.0) -> Split:
     """The split with the least bottleneck, ties broken toward the least peak memory.
 
     Under ``checkpoint="auto"`` a split that recomputes nowhere is taken whenever one reaches
     the least bottleneck; otherwise each stage of the chosen split recomputes only if it does
     not fit its memory cap keeping its activations. Raises InfeasibleError (with
-    ``smallest_cap``) if no split fits the memory caps."""
+    ``smallest_cap``) if no split fits the memory caps. ``least``: a bottleneck known to be
+    unbeatable (:func:`least_bottleneck`); where a split reaches it, no bisection is needed."""
     if problem.checkpoint == "auto" and all(cap is None for cap in problem.memory):
         problem = replace(problem, checkpoint="never")  # no cap: recomputing only costs time
     sweep = _Sweep(problem)
@@ -423,7 +494,7 @@ def solve(problem: Problem) -> Split:
             f"any split needs is {need} bytes ({format_bytes(need)}) on its fullest device",
             smallest_cap=need,
         )
-    time = _least_time(sweep, sweep.trace(states, math.inf, None).bottleneck)
+    time = _least_time(sweep, sweep.trace(states, math.inf, None).bottleneck, least)
     if problem.checkpoint == "auto":
         keeping = _Sweep(replace(problem, checkpoint="never"))
         if keeping.probe(time, None) is not None:  # the cap does not need recomputation
@@ -431,7 +502,7 @@ def solve(problem: Problem) -> Split:
     best = sweep.probe(time, None)
     assert best is not None
     top = sweep.trace(best, time, None).peak_memory
-    memory = _least_int(lambda m: sweep.probe(time, m) is not None, _memory_floor(problem) - 1, top)
+    memory = _least_memory(sweep, time, top)
     final = sweep.probe(time, memory)
     assert final is not None
     chosen = sweep.trace(final, time, memory)

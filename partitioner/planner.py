@@ -112,7 +112,7 @@ def plan(
         splits.check(split.stages, ranks, microbatches, not lookup(schedule).split_backward)
     size = profile.batch_size if microbatch_size is None else microbatch_size
     made = _make_plan(profile, split, ranks, schedule, microbatches, size, checkpoint, use_ilp,
-                      Host(cores, overhead), virtual_stages)
+                      Host(cores, overhead), virtual_stages, splits)
     return replace(made, reduce_scatter=mode, zero=zero, data_parallel=data_parallel)
 
 
@@ -154,7 +154,8 @@ def _ranks(
     replicas."""
     stages = len(split.replicas)
     if lookup(schedule).multi_stage_per_rank:
-        placement = pipeline_schedule(schedule, stages, microbatches, virtual_stages).placement
+        placement = pipeline_schedule(schedule, stages, microbatches, virtual_stages,
+                                      checked=False).placement  # predict validates it
         ranks = [[rank] for rank in placement]
         _check_rank_memory(split.stages, ranks, cap)
         return ranks
@@ -309,20 +310,22 @@ def _make_plan(
     by_ilp: bool,
     host: Host,
     virtual_stages: int,
+    splits: Splits | None = None,
 ) -> Plan:
-    """The Plan of a split, its step predicted by the schedule simulator."""
+    """The Plan of a split, its step predicted by the schedule simulator (once per distinct
+    simulation where a search's ``splits`` keeps them)."""
     stages = split.stages
-    simulation = predict(
-        schedule,
-        microbatches,
-        [s.forward for s in stages],
-        [s.backward for s in stages],
-        [s.message for s in stages[:-1]],
-        [s.allreduce for s in stages],
-        host,
-        weight=[s.weight for s in stages],
-        virtual_stages=virtual_stages,
-    )
+    costs = ([s.forward for s in stages], [s.backward for s in stages],
+             [s.message for s in stages[:-1]], [s.allreduce for s in stages],
+             [s.weight for s in stages])
+
+    def run() -> Simulation:
+        forward, backward, message, allreduce, weight = costs
+        return predict(schedule, microbatches, forward, backward, message, allreduce, host,
+                       weight=weight, virtual_stages=virtual_stages)
+
+    key = (schedule, microbatches, virtual_stages, host, *map(tuple, costs))
+    simulation = run() if splits is None else splits.predicted(key, run)
     step = simulation.step_time
     per_stage = []
     for s, where in zip(stages, ranks, strict=True):

@@ -1,21 +1,26 @@
 """What a search over many plans reuses between them: the DP's splits, kept by the cost
-problem they solve, and a ceiling on the step time worth simulating.
+problem they solve, the simulated steps, kept by what the simulator was given, and a ceiling on
+the step time worth simulating.
 
 Schedules that hold as many micro-batches in flight on each stage pose the same problem (same
 costs, same memory), and so do the points of a search that differ only in what the split does
-not see; :class:`Splits` solves each once.
+not see; :class:`Splits` solves each once. Points that differ only in what the step's time does
+not see (the ZeRO level, where the split comes out the same) simulate the same step: it is
+simulated once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
+from collections.abc import Callable, Hashable
+from dataclasses import astuple, replace
 
 import numpy as np
 
 from partitioner.costs import Problem, StageCost
-from partitioner.dp import Split, solve, split_of
+from partitioner.dp import Split, least_bottleneck, solve
 from partitioner.errors import InfeasibleError
+from schedules import Simulation
 
 
 class Pruned(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -34,29 +39,55 @@ def _key(problem: Problem) -> tuple[object, ...]:
     )
 
 
+def _costs_only(problem: Problem) -> Problem:
+    """``problem`` with what only its memory depends on made alike: problems alike here have
+    the same :func:`partitioner.dp.least_bottleneck`."""
+    sharded = problem.sharded_gradients  # a reduce-scatter per micro-batch: more ring passes
+    return replace(problem, memory=(None,) * problem.stages, checkpoint="never",
+                   inflight=(1,) * problem.stages, zero=2 if sharded else 0,
+                   reduce_scatter="microbatch" if sharded else "step")
+
+
 class Splits:
     """The DP's solutions (or its refusals) kept by problem; ``ceiling``: seconds a plan's
     step floor may reach before :func:`partitioner.plan` stops it (:class:`Pruned`)."""
 
     def __init__(self) -> None:
         self._found: dict[tuple[object, ...], Split | InfeasibleError] = {}
+        self._least: dict[tuple[object, ...], float] = {}  # least_bottleneck by _costs_only
         self.ceiling = math.inf
         self.solved = 0  # DP runs, for the benchmark and --explain
+        self._simulated: dict[Hashable, Simulation] = {}
 
     def solve(self, problem: Problem) -> Split:
-        """:func:`partitioner.solve`, once per distinct problem."""
+        """:func:`partitioner.solve`, once per distinct problem, each started from the least
+        bottleneck of the problems of the same costs (computed once for them all)."""
         key = _key(problem)
         found = self._found.get(key)
         if found is None:
             self.solved += 1
             try:
-                found = solve(problem)
+                found = solve(problem, self._least_bottleneck(problem))
             except InfeasibleError as error:
                 found = error
             self._found[key] = found
         if isinstance(found, InfeasibleError):
             raise found
-        return split_of(problem, found.bounds, found.replicas)
+        return found  # the problem's own: an equal problem evaluates the split alike
+
+    def _least_bottleneck(self, problem: Problem) -> float:
+        key = _key(_costs_only(problem))
+        if key not in self._least:
+            self._least[key] = least_bottleneck(problem)
+        return self._least[key]
+
+    def predicted(self, inputs: Hashable, run: Callable[[], Simulation]) -> Simulation:
+        """``run()``, the simulation of ``inputs`` (everything it is given), once per
+        distinct ``inputs``."""
+        found = self._simulated.get(inputs)
+        if found is None:
+            found = self._simulated[inputs] = run()
+        return found
 
     def check(self, stages: tuple[StageCost, ...], ranks: list[list[int]], microbatches: int,
               backward_chain: bool) -> None:

@@ -211,7 +211,8 @@ def _placement(point: Point) -> tuple[int, ...]:
     tried = sorted({spec.least_microbatches(count), point.stages, point.microbatches})
     for m in tried:
         try:
-            return pipeline_schedule(point.schedule, count, m, point.virtual_stages).placement
+            return pipeline_schedule(point.schedule, count, m, point.virtual_stages,
+                                     checked=False).placement
         except ValueError:
             continue
     return tuple(t % point.stages for t in range(count))  # never reached for a runnable point

@@ -28,6 +28,7 @@ Each rank's order of the squeezed slots goes to :func:`schedules.generators.from
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 
@@ -86,13 +87,27 @@ def _with_weights(slots: dict[Action, int]) -> dict[Action, int]:
     return placed
 
 
-def _peak(slots: dict[Action, int]) -> int:
-    """The most micro-batch-stages one rank's timed passes hold at once (F stores, W frees)."""
-    held = peak = 0
-    for _, action in sorted((t, a) for a, t in slots.items()):
-        held += {Kind.FORWARD: 1, Kind.WEIGHT: -1}.get(action.kind, 0)
-        peak = max(peak, held)
-    return peak
+def _peak(forwards: list[int], backwards: list[int]) -> int:
+    """The most micro-batch-stages one rank holds at once with its F and B at these slots and
+    the Ws placed as :func:`_with_weights` places them (F stores, W frees): the k-th B's W
+    takes the first free slot after both that B and the (k-1)-th W. On slot numbers alone, as
+    the squeeze asks it for every slot it tries."""
+    taken = set(forwards)
+    taken.update(backwards)
+    weights, last = [], -1
+    for b in sorted(backwards):
+        t = max(b, last) + 1
+        while t in taken:
+            t += 1
+        weights.append(t)
+        last = t
+    return max((i + 1 - bisect_left(weights, f) for i, f in enumerate(sorted(forwards))),
+               default=0)
+
+
+def _passes(rank: dict[Action, int], kind: Kind, leave: Action | None = None) -> list[int]:
+    """The slots of one rank's passes of ``kind``, but ``leave``'s."""
+    return [t for a, t in rank.items() if a.kind is kind and a is not leave]
 
 
 def _waits(action: Action, stages: int) -> list[Action]:
@@ -107,18 +122,25 @@ def _squeezed(slots: dict[Action, int], placement: tuple[int, ...]) -> list[dict
     earliest free slot after what it waits for that keeps its rank under the plan's peak."""
     ranks, stages = max(placement) + 1, len(placement)
     own = [{a: t for a, t in slots.items() if placement[a.stage] == r} for r in range(ranks)]
-    limit = max(_peak(_with_weights(rank)) for rank in own)
+    limit = max(_peak(_passes(rank, Kind.FORWARD), _passes(rank, Kind.BACKWARD))
+                for rank in own)
     slots = dict(slots)
     for action in sorted(slots, key=lambda a: (slots[a], placement[a.stage])):
         rank, planned = own[placement[action.stage]], slots[action]
         taken = set(rank.values())
         start = max((slots[d] + 1 for d in _waits(action, stages)), default=0)
-        for t in [t for t in range(start, planned) if t not in taken]:
-            rank[action] = t
-            if _peak(_with_weights(rank)) <= limit:
-                slots[action] = t
+        tries = [t for t in range(start, planned) if t not in taken]
+        if not tries:
+            continue
+        forwards = _passes(rank, Kind.FORWARD, action)
+        backwards = _passes(rank, Kind.BACKWARD, action)
+        moved = forwards if action.kind is Kind.FORWARD else backwards
+        for t in tries:
+            moved.append(t)
+            if _peak(forwards, backwards) <= limit:
+                slots[action] = rank[action] = t
                 break
-            rank[action] = planned
+            moved.pop()
     return [_with_weights(rank) for rank in own]
 
 

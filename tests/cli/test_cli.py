@@ -671,6 +671,27 @@ def test_plan_without_stages_searches_the_whole_run(profile_path, tmp_path, caps
     load_plan(planned, resnet_like(width=8))  # as Pipeline(plan=...) takes it
 
 
+def test_explain_prints_the_time_memory_frontier_it_searched(profile_path, capsys):
+    """Issue 48.4: --explain lists the planned points no other beats in both step time and
+    peak memory, fastest (the chosen point) first, each with its schedule, stages,
+    micro-batches and zero."""
+    code, out, err = run(f"plan {profile_path} --devices 4 --batch-size 8 --memory 1GB "
+                         "--explain", capsys)
+    assert code == 0, err
+    head = "frontier (no other planned point is both faster and lighter):"
+    rows = out.split(head, 1)[1].splitlines()[2:]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    points = [re.fullmatch(r"\s*([\d.]+)\s+([\d.]+) (\w+)  (.+, zero \d)", row) for row in rows]
+    assert points and all(points), rows
+    times = [float(p.group(1)) for p in points]
+    peaks = [float(p.group(2)) * units[p.group(3)] for p in points]
+    assert times == sorted(times) and peaks == sorted(peaks, reverse=True)
+    assert len(set(peaks)) == len(peaks)  # each later point is strictly lighter
+    chosen = re.search(r"^chosen: (.+): step ([\d.]+) ms", out, re.M)
+    assert chosen and points[0].group(4) == chosen.group(1)
+    assert float(points[0].group(1)) == float(chosen.group(2))
+
+
 def test_the_search_honours_fixed_choices(profile_path, capsys):
     code, out, err = run(f"plan {profile_path} --devices 2 --batch-size 8 --schedule gpipe "
                          "--zero 0 --stages 2", capsys)

@@ -9,6 +9,7 @@ from split_oracle import Instance, least_memory, optimum, random_instance, stage
 
 from partitioner import InfeasibleError, make_problem, solve
 from partitioner.costs import held_weight_bytes, inflight
+from partitioner.dp import least_bottleneck
 from schedules import build, simulate
 
 
@@ -161,8 +162,29 @@ def test_inflight_matches_the_simulator(schedule: str) -> None:
 
 
 def test_float_search_fallback_is_exact_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With the candidate list disabled the DP bisects on the float bits instead.
+    # With the candidate lists disabled the DP bisects on the float bits and the memory
+    # bytes instead.
     monkeypatch.setattr("partitioner.dp._MAX_CANDIDATES", -1)
+    monkeypatch.setattr("partitioner.dp._FEW_CANDIDATES", -1)
     rng = random.Random(500)
     for _ in range(20):
-        _check(random_instance(rng))
+        inst = random_instance(rng)
+        _with_caps(rng, inst)
+        _check(inst)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_starting_from_the_uncapped_bottleneck_changes_nothing(seed: int) -> None:
+    # What a search passes solve() for problems of the same costs (partitioner.reuse).
+    rng = random.Random(700 + seed)
+    for _ in range(30):
+        inst = random_instance(rng)
+        _with_caps(rng, inst)
+        problem = make_problem(inst.forward, inst.backward, **inst.kwargs())
+        try:
+            want = solve(problem)
+        except InfeasibleError:
+            continue
+        least = least_bottleneck(problem)
+        assert least <= want.bottleneck
+        assert solve(problem, least) == want
