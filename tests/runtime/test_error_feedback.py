@@ -28,6 +28,7 @@ from torch.func import functional_call
 import pipetrain
 from pipetrain.optim import MuonAdamW, muon_adamw
 from pipetrain.training.compensation import Compensator, DelayCompensation
+from pipetrain.training.weights import stage_versions
 from tests.runtime.harness import run_ranks, values
 from tests.runtime.models import batches, mlp
 
@@ -210,3 +211,19 @@ def test_muon_adamw_names_the_torch_it_needs(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     with pytest.raises(RuntimeError, match=r"torch >= 2\.9"):
         MuonAdamW([nn.Parameter(torch.ones(2, 2))], lr=0.1)
+
+
+@pytest.mark.skipif(not HAS_MUON, reason=NO_MUON)
+@pytest.mark.parametrize(("schedule", "stashing", "expected"), [
+    ("pipedream-2bw", True, DelayCompensation(error_feedback=1.0)),
+    ("pipedream-2bw", False, None),  # PipeDream's own, unstashed
+    ("pipedream", True, None),
+])
+def test_auto_gives_muon_error_feedback_under_2bw(schedule, stashing, expected):
+    p = nn.Parameter(torch.ones(3, 3))
+    for opt in (muon([p]), torch.optim.Muon([p])):
+        versions = stage_versions([p], opt, lag=1, update_every=1, weight_stashing=stashing,
+                                  weight_prediction="auto", compensation="auto",
+                                  schedule=schedule)
+        got = versions.compensator.spec if versions.compensator else None
+        assert got == expected
