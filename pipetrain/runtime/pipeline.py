@@ -138,8 +138,10 @@ class Pipeline:
             None stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
             prediction for SGD with momentum, Adam and AdamW.
         delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
-            "pipemare", several joined by "+", or a DelayCompensation: changes the updates of
-            late gradients (pipetrain/training/compensation.py), with or without prediction. Default
+            "pipemare", "error-feedback" (any optimizer; the one-step-delay correction for
+            "pipedream-2bw", e.g. with ``pipetrain.optim.muon_adamw``), several joined by "+",
+            or a DelayCompensation: changes the updates of late gradients
+            (pipetrain/training/compensation.py), with or without prediction. Default
             "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
             "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
             delay_compensation=None`` is PipeDream's weight stashing.

@@ -271,7 +271,9 @@ def stage_versions(
     if weight_prediction == AUTO:
         weight_prediction = "momentum" if weight_stashing and _predictable(optimizer) else None
     if compensation == AUTO:
-        compensation = default_compensation(optimizer, schedule) if weight_prediction else None
+        compensation = default_compensation(
+            optimizer, schedule, predicted=bool(weight_prediction),
+        ) if weight_stashing else None
     if weight_prediction is not None:
         check_predictable(optimizer, weight_prediction)
     policy = "predict" if weight_prediction else "stash" if weight_stashing else "stale"

@@ -28,6 +28,7 @@ CONFIGS = {
     "lag-momentum+predict": dict(delay_compensation="lag-momentum", weight_prediction="momentum"),
     "spike+lag-momentum+predict": dict(delay_compensation="spike+lag-momentum",
                                        weight_prediction="momentum"),
+    "error-feedback": dict(delay_compensation="error-feedback", weight_prediction=None),
 }
 
 
