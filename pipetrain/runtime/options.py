@@ -211,7 +211,7 @@ OPTIONS: tuple[Option, ...] = (
            'asynchronous schedules: "momentum", "spectrain" or "msnag" run both passes on the '
            "weights predicted", ASYNC),
     Option("delay_compensation", "str | DelayCompensation | None", AUTO,
-           'asynchronous schedules: "spike", "lag-lr", "lag-momentum", "pipemare", several '
+           'async: "spike", "lag-lr", "lag-momentum", "pipemare", "error-feedback", several '
            'joined by "+", or a DelayCompensation', ASYNC, parse_option),
     Option("devices", "Sequence[str | torch.device] | None", None,
            "one device per rank to run every stage in this process", PLACEMENT, part="world"),

@@ -137,13 +137,14 @@ class Pipeline:
             passes on the weights predicted after the stage's lag (pipetrain/training/weights.py);
             None stashes only. Default "auto", the staleness study's pick (docs/staleness.md):
             prediction for SGD with momentum, Adam and AdamW.
-        delay_compensation: asynchronous schedules: "spike", "lag-lr", "lag-momentum",
-            "pipemare", "error-feedback" (any optimizer; the one-step-delay correction for
-            "pipedream-2bw", e.g. with ``pipetrain.optim.muon_adamw``), several joined by "+",
-            or a DelayCompensation: changes the updates of late gradients
-            (pipetrain/training/compensation.py), with or without prediction. Default
+        delay_compensation: async: "spike", "lag-lr", "lag-momentum", "pipemare",
+            "error-feedback", several joined by "+", or a DelayCompensation:
+            changes the updates of late gradients (pipetrain/training/compensation.py), with
+            or without prediction. "error-feedback" (any optimizer) is the one-step-delay
+            correction for "pipedream-2bw", e.g. with ``pipetrain.optim.muon_adamw``. Default
             "auto": with prediction, "spike+lag-momentum" under "pipedream" and "spike" under
-            "pipedream-2bw" for SGD with momentum, nothing otherwise. ``weight_prediction=None,
+            "pipedream-2bw" for SGD with momentum; "error-feedback" under "pipedream-2bw" for
+            ``muon_adamw`` with stashed weights; nothing otherwise. ``weight_prediction=None,
             delay_compensation=None`` is PipeDream's weight stashing.
         devices: one device per rank to run every stage in this process; None (default) runs
             this process's rank of a torchrun job (``pipetrain.init_distributed()`` first).
