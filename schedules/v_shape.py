@@ -28,9 +28,10 @@ Each rank's order of the squeezed slots goes to :func:`schedules.generators.from
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
+
+import numpy as np
 
 from schedules.action import Action, Kind, Schedule, check_sizes, check_v
 from schedules.generators import from_order
@@ -101,13 +102,15 @@ def _peak(forwards: list[int], backwards: list[int]) -> int:
             t += 1
         weights.append(t)
         last = t
-    return max((i + 1 - bisect_left(weights, f) for i, f in enumerate(sorted(forwards))),
-               default=0)
+    if not forwards:
+        return 0
+    stored = np.arange(1, len(forwards) + 1) - np.searchsorted(weights, sorted(forwards))
+    return int(stored.max())
 
 
-def _passes(rank: dict[Action, int], kind: Kind, leave: Action | None = None) -> list[int]:
-    """The slots of one rank's passes of ``kind``, but ``leave``'s."""
-    return [t for a, t in rank.items() if a.kind is kind and a is not leave]
+def _passes(rank: dict[Action, int], kind: Kind) -> dict[Action, int]:
+    """One rank's passes of ``kind`` and their slots."""
+    return {a: t for a, t in rank.items() if a.kind is kind}
 
 
 def _waits(action: Action, stages: int) -> list[Action]:
@@ -122,23 +125,28 @@ def _squeezed(slots: dict[Action, int], placement: tuple[int, ...]) -> list[dict
     earliest free slot after what it waits for that keeps its rank under the plan's peak."""
     ranks, stages = max(placement) + 1, len(placement)
     own = [{a: t for a, t in slots.items() if placement[a.stage] == r} for r in range(ranks)]
-    limit = max(_peak(_passes(rank, Kind.FORWARD), _passes(rank, Kind.BACKWARD))
-                for rank in own)
+    kinds = [{kind: _passes(rank, kind) for kind in (Kind.FORWARD, Kind.BACKWARD)}
+             for rank in own]
+    limit = max(_peak(list(k[Kind.FORWARD].values()), list(k[Kind.BACKWARD].values()))
+                for k in kinds)
     slots = dict(slots)
     for action in sorted(slots, key=lambda a: (slots[a], placement[a.stage])):
         rank, planned = own[placement[action.stage]], slots[action]
-        taken = set(rank.values())
+        passes = kinds[placement[action.stage]]
         start = max((slots[d] + 1 for d in _waits(action, stages)), default=0)
+        if start >= planned:
+            continue
+        taken = set(rank.values())
         tries = [t for t in range(start, planned) if t not in taken]
         if not tries:
             continue
-        forwards = _passes(rank, Kind.FORWARD, action)
-        backwards = _passes(rank, Kind.BACKWARD, action)
+        forwards = [t for a, t in passes[Kind.FORWARD].items() if a is not action]
+        backwards = [t for a, t in passes[Kind.BACKWARD].items() if a is not action]
         moved = forwards if action.kind is Kind.FORWARD else backwards
         for t in tries:
             moved.append(t)
             if _peak(forwards, backwards) <= limit:
-                slots[action] = rank[action] = t
+                slots[action] = rank[action] = passes[action.kind][action] = t
                 break
             moved.pop()
     return [_with_weights(rank) for rank in own]
