@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from partitioner.profile import Profile
+from partitioner.profile import LayerCost, Profile
 from schedules import DEFAULT_SCHEDULE, Schedule, build, lookup
 from schedules import inflight as schedule_inflight
 from schedules.validate import validate
@@ -142,11 +142,25 @@ def inflight(
 
 
 def weight_gradient_share(backward: float, param_count: int) -> float:
-    """The W (weight-gradient) part of a layer's measured ``backward``, for schedules that
-    split the backward into B and W (zero bubble). A profile times the whole backward only, so
-    this takes the zero-bubble paper's assumption (Qi et al. 2023): B and W cost the same, half
-    the backward each, for a layer with parameters; a layer without any has no W."""
+    """The W (weight-gradient) part of a layer's ``backward`` where the profile did not time
+    B and W apart: the zero-bubble paper's assumption (Qi et al. 2023), B and W cost the same,
+    half the backward each, for a layer with parameters; a layer without any has no W."""
     return backward / 2 if param_count > 0 else 0.0
+
+
+def split_backward_time(layer: LayerCost, backward: float) -> tuple[float, float]:
+    """A layer's B + W and its W, where ``backward`` is its whole backward at the planned
+    micro-batch, for a schedule that splits the backward. A profile that timed B and W apart
+    (``backward_input``, ``backward_weight``) gives their sum's ratio to the whole backward
+    (two autograd passes cost more than one: on a CPU 1.3-1.8x) and W's share of it, applied
+    at the planned micro-batch; an older one, :func:`weight_gradient_share` of ``backward``."""
+    if layer.backward_input is None or layer.backward_weight is None:
+        return backward, weight_gradient_share(backward, layer.param_count)
+    apart = layer.backward_input + layer.backward_weight
+    if apart <= 0:
+        return backward, 0.0
+    total = backward * apart / layer.backward if layer.backward > 0 else apart
+    return total, total * layer.backward_weight / apart
 
 
 @dataclass(frozen=True)
@@ -397,7 +411,8 @@ def problem_from_profile(
 ) -> Problem:
     """The Problem of splitting ``profile`` for micro-batches of ``microbatch_size`` samples
     (default: the profile's batch size) under ``schedule`` (with ``virtual_stages`` stages per
-    rank if it is "interleaved"). Each layer's W time is :func:`weight_gradient_share`.
+    rank if it is "interleaved"). Each layer's B and W times, for a schedule that splits the
+    backward, are :func:`split_backward_time`'s.
     ``data_parallel``: copies of the whole pipeline, each on its own share of the batch, that
     all-reduce (and under ``zero`` shard) every stage's weights together."""
     if checkpoint not in CHECKPOINT:
@@ -419,15 +434,17 @@ def problem_from_profile(
             cut[p] = output[list(boundary.sources)].sum()
     allowed = [True] + [profile.cut_allowed(p) for p in range(len(layers) - 1)] + [True]
     forward = [_time_at(layer.forward, layer.forward_fixed, scale) for layer in layers]
-    backward = [_time_at(layer.backward, layer.backward_fixed, scale) for layer in layers]
+    whole = [_time_at(layer.backward, layer.backward_fixed, scale) for layer in layers]
+    if lookup(schedule).split_backward:
+        backward, weight = zip(*map(split_backward_time, layers, whole), strict=True)
+    else:
+        backward = tuple(whole)
+        weight = tuple(map(weight_gradient_share, whole, [la.param_count for la in layers]))
     problem = make_problem(
         forward,
-        backward,
+        list(backward),
         stages=stages,
-        weight_gradient=[
-            weight_gradient_share(t, layer.param_count)
-            for t, layer in zip(backward, layers, strict=True)
-        ],
+        weight_gradient=list(weight),
         weight_bytes=[2 * layer.param_bytes + layer.optimizer_state_bytes for layer in layers],
         activation_bytes=act,
         param_bytes=[layer.param_bytes for layer in layers],

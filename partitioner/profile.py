@@ -32,6 +32,10 @@ layer before already saved as its output is that layer's), and ``"saved_input_by
 part of it that is the layer's input: a stage starting at the layer holds its received input
 instead. ``"forward_fixed"`` and ``"backward_fixed"`` (0 when absent) are the seconds of each
 time that do not grow with the batch (:func:`with_fixed_times` fits them from two profiles).
+``"backward_input"`` and ``"backward_weight"`` (absent in older profiles: the planner then
+takes half the backward each) are the seconds of the layer's backward split as the zero-bubble
+schedules run it, B (input gradients, the graph kept) and W (weight gradients) apart; on a CPU
+their sum exceeds ``backward`` (two passes through the layer's graph).
 
 ``boundaries`` is null for a chain (the tensor that crosses the cut after layer i is layer i's
 output) or a list of ``L - 1`` records ``{"sources": [i, ...], "allowed": true}``: the layers
@@ -74,6 +78,9 @@ class LayerCost:
     each time that does not grow with the batch (per-call overhead: launching, dispatching
     small ops), from profiles at two batch sizes (:func:`with_fixed_times`); the planner
     scales only the rest with the micro-batch (0: all of it, times proportional to samples).
+    ``backward_input``/``backward_weight``: the backward split into B and W as the
+    split-backward schedules run it, timed apart (None: not measured, W read as half the
+    backward).
     """
 
     name: str
@@ -90,6 +97,8 @@ class LayerCost:
     saved_input_bytes: int = 0
     forward_fixed: float = 0.0
     backward_fixed: float = 0.0
+    backward_input: float | None = None
+    backward_weight: float | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -104,6 +113,12 @@ class LayerCost:
             if not 0 <= getattr(self, f"{what}_fixed") <= getattr(self, what):
                 raise ValueError(f"layer {self.name!r}: {what}_fixed is the part of its "
                                  f"{what} time that does not grow with the batch: 0 to it")
+        if (self.backward_input is None) != (self.backward_weight is None):
+            raise ValueError(f"layer {self.name!r}: backward_input and backward_weight are "
+                             "measured together: give both or neither")
+        for what in ("backward_input", "backward_weight"):
+            if getattr(self, what) is not None and not getattr(self, what) >= 0:
+                raise ValueError(f"layer {self.name!r}: {what} must be >= 0 seconds")
         if not self.spread >= 0:
             raise ValueError(f"layer {self.name!r}: spread must be >= 0, got {self.spread}")
         for what in ("activation_bytes", "param_count", "param_bytes", "optimizer_state_bytes",
@@ -227,7 +242,7 @@ def _layer_dict(layer: LayerCost) -> dict[str, Any]:
     """A layer as JSON; ``timed_as`` only where times were reused, ``tied_bytes`` only where
     weights are tied, the saved bytes only where measured (files stay as they were)."""
     data = asdict(layer)
-    for key in ("timed_as", "saved_bytes"):
+    for key in ("timed_as", "saved_bytes", "backward_input", "backward_weight"):
         if data[key] is None:
             del data[key]
     for key in ("tied_bytes", "saved_input_bytes", "forward_fixed", "backward_fixed"):

@@ -27,6 +27,7 @@ from partitioner.costs import (
     held_weight_bytes,
     pipeline_schedule,
     problem_from_profile,
+    split_backward_time,
 )
 from partitioner.errors import InfeasibleError
 from partitioner.planner import plan
@@ -167,23 +168,30 @@ def why_empty(profile: Profile, *, devices: int, batch_size: int,
 class _Work:
     """What the time floors need of the profile: per layer, seconds of forward + backward per
     sample and seconds of a whole all-reduce of its gradients at unit ring share, and the least
-    share of any layer's compute its forward is."""
+    share of any layer's compute its forward is; ``split_sample``: the per-sample seconds
+    with the backward split into B and W as profiled (:func:`split_backward_time`)."""
 
     per_sample: np.ndarray
     allreduce: np.ndarray
     forward_share: float
+    split_sample: np.ndarray
 
     @staticmethod
     def of(profile: Profile, recompute: bool, bandwidth: float | str | None) -> _Work:
         layers = profile.layers
         # per sample only what grows with the batch: the floor stays under any micro-batch's
-        total = np.array([layer.forward + layer.backward - layer.forward_fixed
-                          - layer.backward_fixed for layer in layers])
-        shares = [layer.forward / (layer.forward * (2 if recompute else 1) + layer.backward)
-                  for layer in layers if layer.forward + layer.backward > 0]
+        grows = [layer.backward - layer.backward_fixed for layer in layers]
+        split = [split_backward_time(layer, b)[0] for layer, b in zip(layers, grows, strict=True)]
+        forward = np.array([layer.forward - layer.forward_fixed for layer in layers])
+        # the least forward share, of the whole or the split backward: a floor for both
+        backward = [max(la.backward, split_backward_time(la, la.backward)[0]) for la in layers]
+        shares = [layer.forward / (layer.forward * (2 if recompute else 1) + b)
+                  for layer, b in zip(layers, backward, strict=True)
+                  if layer.forward + layer.backward > 0]
         link = math.inf if bandwidth is None else parse_bandwidth(bandwidth)
         ring = np.array([2.0 * layer.param_bytes for layer in layers]) / link
-        return _Work(total / profile.batch_size, ring, min(shares, default=0.0))
+        return _Work((forward + grows) / profile.batch_size, ring, min(shares, default=0.0),
+                     (forward + split) / profile.batch_size)
 
 
 def time_floor(work: _Work, point: Point) -> float:
@@ -194,7 +202,8 @@ def time_floor(work: _Work, point: Point) -> float:
     spec = lookup(point.schedule)
     chain = work.forward_share if spec.split_backward else 1.0
     m = point.microbatches
-    compute = work.per_sample * point.microbatch_size
+    compute = (work.split_sample if spec.split_backward else work.per_sample) \
+        * point.microbatch_size
     reduce = work.allreduce * (1 - 1 / point.data_parallel)
     return max(float(compute.sum()) * _floor_factor(_placement(point), m, chain),
                float(m * compute.sum() + reduce.sum()) / point.stages,

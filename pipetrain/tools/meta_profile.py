@@ -25,7 +25,7 @@ import contextlib
 import copy
 import statistics
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -134,17 +134,25 @@ def _leaves(value: object, flags: list[bool]) -> object:
     return profiler._map(value, lambda t: t.requires_grad_(next(grads)))
 
 
+_TIMES = ("forward", "backward", "backward_input", "backward_weight")
+
+
+def _times(layer: LayerCost) -> dict[str, Any]:
+    """``layer``'s measured times, by name, for a layer that reuses them."""
+    return {what: getattr(layer, what) for what in _TIMES}
+
+
 def _time(model: LayerTree, index: int, name: str, value: object, flags: list[bool],
-          timing: _Timing) -> tuple[float, float, object]:
-    """Median forward and backward seconds of one materialized copy of layer ``index``, and
-    its output (detached)."""
+          timing: _Timing) -> tuple[dict[str, Any], object]:
+    """Median seconds of one materialized copy of layer ``index`` (forward, backward and the
+    split backward's B and W, as :class:`LayerCost` names them), and its output (detached)."""
     built = _build(model[index], timing.device)
     run = profiler._LayerRun(index, name, (built, model.bound(index, built)), value, flags)
     output: object = None
     for sweep in range(timing.warmup + timing.repeats):
         output = run.run(timing.device, record=sweep >= timing.warmup)
-    result = (statistics.median(run.forward), statistics.median(run.backward))
-    return *result, profiler._map(output, lambda t: t.detach())
+    times = {what: statistics.median(getattr(run, what)) for what in _TIMES}
+    return times, profiler._map(output, lambda t: t.detach())
 
 
 def _profile_meta(
@@ -194,12 +202,12 @@ def _profile_meta(
                 layers.append(replace(cost, forward=counted[0] / rate, backward=counted[1] / rate))
             elif timing.reuse_times and previous is not None and previous[0] == key:
                 timed = previous[1]
-                layers.append(replace(cost, forward=timed.forward, backward=timed.backward,
+                layers.append(replace(cost, **_times(timed),
                                       timed_as=timed.timed_as or timed.name))
                 real = _stand_in(output, timing.device)
             else:
-                forward_s, backward_s, real = _time(model, index, name, real, flags, timing)
-                layers.append(replace(cost, forward=forward_s, backward=backward_s))
+                times, real = _time(model, index, name, real, flags, timing)
+                layers.append(replace(cost, **times))
             previous = (key, layers[-1])
             flags = [t.requires_grad for t in profiler.tensors_of(output)]
             meta = profiler._map(output, lambda t: t.detach())

@@ -5,11 +5,14 @@ Each layer is timed on its own, on the output the layers before it produced from
 autograd recording, its input requiring grad exactly when it does in the whole model (a first
 layer fed plain data computes no input gradient). Its backward is timed from its output's
 gradient with ``torch.autograd.backward(outputs, grads)``, which also accumulates the parameter
-gradients as training does. Times are medians over ``repeats`` sweeps after ``warmup`` sweeps,
-a sweep running every layer once in model order (so a drift in the machine's speed touches all
-layers alike); on CUDA they come from CUDA events, elsewhere from ``time.perf_counter`` around
-synchronous work. Between sweeps every layer's input and output gradient for the sample batch
-stay on the device (the activations of one forward pass, without autograd's intermediates).
+gradients as training does; after another forward the backward is timed again split as the
+zero-bubble schedules run it, B (the input's gradients, graph kept) and W (the weight
+gradients, a second pass) apart (``backward_input``, ``backward_weight``). Times are medians
+over ``repeats`` sweeps after ``warmup`` sweeps, a sweep running every layer once in model
+order (so a drift in the machine's speed touches all layers alike); on CUDA they come from
+CUDA events, elsewhere from ``time.perf_counter`` around synchronous work. Between sweeps
+every layer's input and output gradient for the sample batch stay on the device (the
+activations of one forward pass, without autograd's intermediates).
 
 Times describe this process's settings: profile with the thread count (``torch.set_num_threads``)
 and the batch size each pipeline stage will run with (the planner scales times linearly from the
@@ -211,6 +214,8 @@ class _LayerRun:
         self.grads: list[torch.Tensor] | None = None
         self.forward: list[float] = []
         self.backward: list[float] = []
+        self.backward_input: list[float] = []
+        self.backward_weight: list[float] = []
 
     def run(self, device: torch.device, record: bool, chain: ChainCount | None = None) -> object:
         """Forward and backward once (timed into the lists if ``record``); the output. With
@@ -245,7 +250,29 @@ class _LayerRun:
             spans = clock.spans()
             self.forward.append(spans[0])
             self.backward.append(spans[1] if outs else 0.0)
+            self._split(device)
         return output
+
+    def _split(self, device: torch.device) -> None:
+        """Time the backward split as the zero-bubble schedules run it (a stage's cut layer,
+        pipetrain/runtime/split_backward.py), after another forward: B, the input's gradients
+        with the graph kept and no weight gradient; then W, the weight gradients from the
+        same output gradients, through the layer's graph again."""
+        inputs = _map(self.leaves, lambda t: t.clone())
+        outs = [t for t in tensors_of(self.call(inputs)) if t.requires_grad]
+        wanted = [t for t in tensors_of(inputs) if t.requires_grad]
+        weights = [p for p in self.layer.parameters() if p.requires_grad]
+        clock = _Clock(device)
+        clock.mark()
+        if outs and wanted:
+            torch.autograd.grad(outs, wanted, self.grads, retain_graph=True, allow_unused=True)
+        clock.mark()
+        if outs and weights:
+            torch.autograd.backward(outs, self.grads, inputs=weights)
+        clock.mark()
+        b, w = clock.spans()
+        self.backward_input.append(b if outs and wanted else 0.0)
+        self.backward_weight.append(w if outs and weights else 0.0)
 
 
 def profile(
@@ -354,6 +381,8 @@ def _layer_costs(
                 name=run.name,
                 forward=statistics.median(run.forward),
                 backward=statistics.median(run.backward),
+                backward_input=statistics.median(run.backward_input),
+                backward_weight=statistics.median(run.backward_weight),
                 activation_bytes=size,
                 param_count=count,
                 param_bytes=param_bytes,

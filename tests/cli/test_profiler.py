@@ -97,3 +97,17 @@ def test_example_models_build_deterministically():
     for build in (lambda: resnet_like(width=8), lambda: mlp()):
         a, b = build().state_dict(), build().state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_split_backward_is_timed_apart_and_positive():
+    # B (input gradients) and W (weight gradients) as the zero-bubble schedules run them
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.ReLU())
+    result = profile(model, torch.randn(32, 64), warmup=1, repeats=3)
+    first, act, second, _ = result.layers
+    assert first.backward_input == 0.0  # fed plain data: no input gradient to compute
+    assert first.backward_weight is not None and first.backward_weight > 0
+    assert act.backward_input is not None and act.backward_input > 0
+    assert act.backward_weight == 0.0  # no weights: no W
+    assert second.backward_input is not None and second.backward_input > 0
+    assert second.backward_weight is not None and second.backward_weight > 0
+    assert all(p.grad is None for p in model.parameters())  # W's gradients were set aside
