@@ -74,6 +74,8 @@ class Row:
     held: list[int] = field(default_factory=list)  # per stage: weights, gradients, state
     saved: list[tuple[int, int]] = field(default_factory=list)  # per stage: ledger peak, k
     memory: list[int] = field(default_factory=list)  # measured, per rank
+    predictions: list[float] = field(default_factory=list)  # per round, on its own profile
+    planned_compute: list[float] = field(default_factory=list)  # the same: the ranks' compute
 
     @property
     def key(self) -> tuple[str, str, int, tuple[int, ...]]:
@@ -89,7 +91,24 @@ class Row:
 
     @property
     def predicted(self) -> float:
+        """The median over rounds of the step predicted on that round's profile (the plan's
+        own prediction where the profile was taken once, before the grid)."""
+        if self.predictions:
+            return statistics.median(self.predictions)
         return float(self.plan.step_time)
+
+    def predict_on(self, profile: Any, host: Any) -> None:
+        """Record the planner's step for this row's split on ``profile`` (its cost model and
+        simulator, as in the search: equal to ``plan.step_time`` on the plan's profile) and
+        the ranks' compute it counts."""
+        from partitioner import simulate_split, stage_costs
+
+        how = dict(microbatches=self.chunks, schedule=self.schedule,
+                   microbatch_size=self.plan.microbatch_size, checkpoint=self.recompute)
+        self.predictions.append(simulate_split(profile, self.plan.balance, host=host,
+                                               **how).step_time)
+        costs = stage_costs(profile, self.plan.balance, **how)
+        self.planned_compute.append(sum(c.compute for c in costs) * self.chunks)
 
     @property
     def measured(self) -> float:
@@ -106,7 +125,8 @@ class Row:
     def compute_ratio(self) -> float:
         """The ranks' compute seconds inside the run (the executors' busy time: step time
         less bubble) over what the profile says they compute, both summed over the ranks."""
-        planned = sum(s.compute_time for s in self.plan.per_stage) * self.chunks
+        planned = (statistics.median(self.planned_compute) if self.planned_compute
+                   else sum(s.compute_time for s in self.plan.per_stage) * self.chunks)
         ran = statistics.median(sum(step) for step in self.busy)
         return ran / planned
 
@@ -275,8 +295,11 @@ def measured_memory(row: Row, rows: list[Row]) -> list[int]:
     return per_rank
 
 
-def measure(name: str, rows: list[Row], args: argparse.Namespace) -> None:
-    """Run every row of one model: warm each, then rounds of one step each, rotating."""
+def measure(name: str, rows: list[Row], args: argparse.Namespace, host: Any) -> None:
+    """Run every row of one model: warm each, then rounds of one step each, rotating; with
+    ``--profile-when rounds`` each round first profiles the model again and predicts every
+    row on that profile, so that profile and steps see the machine's load of the same
+    minute."""
     import torch
 
     pipes, batch = [], None
@@ -291,6 +314,10 @@ def measure(name: str, rows: list[Row], args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     order = list(range(len(rows)))
     for r in range(args.rounds):
+        if args.profile_when == "rounds":
+            profile = profile_of(name, args)
+            for row in rows:
+                row.predict_on(profile, host)
         for k in rotation(order, r * len(order) // args.rounds):
             pipes[k].train_step(*batch)
             metrics = pipes[k].metrics
@@ -413,9 +440,9 @@ def choice(rows: list[Row], name: str, what: str = "") -> str:
 
     mine = [r for r in rows if r.model == name]
 
-    def key(r: Row) -> Any:
+    def key(r: Row) -> Any:  # the search's order, on the row's prediction
         point = Point(r.schedule, RANKS, 1, r.chunks, 0)
-        return (r.recompute != "never", *rank_key(Candidate(point, r.plan)))
+        return (r.recompute != "never", r.predicted, *rank_key(Candidate(point, r.plan))[1:])
 
     pick = min(mine, key=key)
     best = min(mine, key=lambda r: r.measured)
@@ -477,7 +504,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cores", type=int, default=RANKS, help="cores the ranks share")
     ap.add_argument("--rounds", type=int, default=7, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    ap.add_argument("--profile-repeats", type=int, default=30)
+    ap.add_argument("--profile-repeats", type=int, default=10)
+    ap.add_argument("--profile-when", default="rounds", choices=["rounds", "before"],
+                    help="rounds (default): profile again before each round and predict each "
+                    "configuration on that round's profile (median over rounds); before: "
+                    "one profile before the grid, the plans' own predictions")
     ap.add_argument("--no-fixed-times", dest="fixed_times", action="store_false",
                     help="plan on one profile, every layer time proportional to its samples "
                     "(default: the fixed part fitted from a second profile)")
@@ -511,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         profile = profile_of(name, args)
         mine = grid(name, profile, args, overhead)
-        measure(name, mine, args)
+        measure(name, mine, args, _host(args.cores, overhead))
         rows += mine
         print(f"{name}: {len(profile.layers)} layers profiled at micro-batch "
               f"{profile.batch_size}, {len(mine)} configurations measured", flush=True)

@@ -160,7 +160,7 @@ def split_backward_time(layer: LayerCost, backward: float) -> tuple[float, float
     if apart <= 0:
         return backward, 0.0
     total = backward * apart / layer.backward if layer.backward > 0 else apart
-    return total, total * layer.backward_weight / apart
+    return total, total * (layer.backward_weight / apart)  # a share <= 1: W <= B + W
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,10 @@ class Problem:
     # (L,) int64 or None (zeros): the part of a layer's activation_bytes that is its input,
     # which a stage starting at the layer holds once as the input it received (cut_bytes)
     input_bytes: np.ndarray | None = None
+    # forwards a recomputing stage's backward runs again: 2 where the schedule splits the
+    # backward (B and W each backpropagate the checkpointed forward, which rebuilds it each
+    # time), except in the first stage, whose input wants no gradient: its B has nothing to do
+    recomputes: int = 1
 
     def ring(self, replicas: int) -> int:
         """Devices that all-reduce (and under ``zero`` shard) a stage on ``replicas`` replicas:
@@ -211,6 +215,10 @@ class Problem:
     def ring_passes(self) -> int:
         """Ring passes of a stage's parameter bytes per step (module docstring's n)."""
         return self.microbatches + 1 if self.sharded_gradients else 2
+
+    def rebuilds(self, stage: int) -> int:
+        """Forwards the backward of ``stage`` runs again where it recomputes."""
+        return 1 if stage == 0 else self.recomputes
 
     @property
     def layers(self) -> int:
@@ -463,7 +471,8 @@ def problem_from_profile(
         reduce_scatter=reduce_scatter,
         data_parallel=data_parallel,
     )
-    return replace(problem, input_bytes=saved_input)
+    return replace(problem, input_bytes=saved_input,
+                   recomputes=2 if lookup(schedule).split_backward else 1)
 
 
 # --- the canonical formulas; the solvers and the plan all evaluate stages through these ---
@@ -473,8 +482,9 @@ def compute_prefix(
     problem: Problem, stage: int, replicas: int = 1, recompute: bool = False
 ) -> np.ndarray:
     """Q with compute(stage on layers [i, j)) = Q[j] - Q[i] (seconds, all-reduce amortised);
-    ``recompute`` adds the forward that the backward runs again."""
-    work = problem.cost + problem.forward if recompute else problem.cost
+    ``recompute`` adds the forwards that the backward runs again."""
+    rebuilt = problem.rebuilds(stage) * problem.forward
+    work = problem.cost + rebuilt if recompute else problem.cost
     per_layer = work / (problem.speed[stage] * replicas)
     ring = problem.ring(replicas)
     if ring > 1:
@@ -499,7 +509,11 @@ def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
     up). At 2 and 3 a tied weight, its gradient and its optimizer state (its share of the
     layer's, by bytes) stay whole: the runtime keeps a weight tied across stages out of the
     shards. The planner cannot tell here whether the layers sharing it land on one stage
-    (where the runtime would not keep it whole), so it counts it whole wherever it is."""
+    (where the runtime would not keep it whole), so it counts it whole wherever it is.
+    Beside what a step holds whole, FSDP2 (zero 2, 3) keeps the shards: at 2 each weight's
+    shard beside the gathered weight the step runs on, and under "step" each gradient's
+    shard, which the reduce-scatter writes while the whole gradient is still held (measured:
+    benchmarks/plan_accuracy_zero.py)."""
     params = problem.param_bytes
     optimizer = problem.weight_bytes - 2 * params
     tied = problem.tied_bytes if problem.zero >= 2 else np.zeros_like(params)
@@ -512,7 +526,10 @@ def held_weight_bytes(problem: Problem, replicas: int = 1) -> np.ndarray:
     held: np.ndarray = 2 * tied + tied_state + sum(
         -(-part // d) for part, d in zip(sharded, divisors, strict=True)
     )
-    return held.astype(np.int64)
+    shard = -(-(params - tied) // ring) if ring > 1 else np.zeros_like(params)
+    beside = (problem.zero == 2) + (problem.zero >= 2 and not problem.sharded_gradients)
+    total: np.ndarray = (held + beside * shard).astype(np.int64)
+    return total
 
 
 def memory_terms(
@@ -540,8 +557,8 @@ class StageCost:
     stop: int
     replicas: int
     forward: float  # seconds per micro-batch on one of its devices, divided by replicas
-    backward: float  # the whole backward, the recomputed forward included when recompute
-    weight: float  # the part of backward that computes weight gradients (W)
+    backward: float  # the whole backward, the recomputed forwards included when recompute
+    weight: float  # the part of backward that computes weight gradients (W), with its rebuild
     compute: float  # forward + backward + amortised all-reduce
     allreduce: float  # seconds per mini-batch
     link: float  # seconds the outgoing link is busy per micro-batch (0 for the last stage)
@@ -622,8 +639,10 @@ def evaluate(
                 stop=j,
                 replicas=r,
                 forward=forward,
-                backward=float(problem.backward[i:j].sum()) / divisor + (forward if again else 0),
-                weight=float(problem.weight_gradient[i:j].sum()) / divisor,
+                backward=float(problem.backward[i:j].sum()) / divisor
+                + (problem.rebuilds(t) * forward if again else 0),
+                weight=float(problem.weight_gradient[i:j].sum()) / divisor
+                + ((problem.rebuilds(t) - 1) * forward if again else 0),  # W's own rebuild
                 compute=float(prefix[j] - prefix[i]),
                 allreduce=problem.ring_passes * (1 - 1 / problem.ring(r)) * grads
                 / problem.allreduce_bandwidth,

@@ -31,7 +31,8 @@ class ActivationLedger:
 
     @classmethod
     def for_parameters(cls, params: Iterable[torch.Tensor]) -> ActivationLedger:
-        return cls(param_storages={p.untyped_storage().data_ptr() for p in params})
+        """A ledger that leaves ``params`` out (of a sharded one, its local shard)."""
+        return cls(param_storages={_local(p).untyped_storage().data_ptr() for p in params})
 
     @contextmanager
     def recording(self, microbatch: int, inputs: Iterable[torch.Tensor]) -> Iterator[None]:
@@ -45,7 +46,8 @@ class ActivationLedger:
                 self.live[microbatch] = self.live.get(microbatch, 0) + t.nbytes
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            charge(t)
+            if not _weight(t):
+                charge(t)
             return t
 
         self.live.setdefault(microbatch, 0)
@@ -64,3 +66,18 @@ class ActivationLedger:
 
     def release(self, microbatch: int) -> None:
         self.live.pop(microbatch, None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded weights, ZeRO 2 and 3); any other tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _weight(t: torch.Tensor) -> bool:
+    """Whether a saved tensor is a weight or a view of one: a leaf that wants its gradient.
+    Under ZeRO 2 and 3 FSDP2 swaps gathered weights in for the forward, whose storages the
+    ledger could not know when it was made. (A stage's received inputs are such leaves too;
+    they are charged as ``inputs``.)"""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad

@@ -95,7 +95,8 @@ def held(inst: Instance, i: int, j: int, replicas: int) -> int:
     """Bytes of layers [i, j)'s weights, gradients and optimizer state on one of ``replicas``
     devices: under ZeRO each sharded part of each layer is split evenly, rounded up (the
     gradients only when reduced per micro-batch); at 2 and 3 a tied weight, its gradient
-    and its share of the optimizer state (by bytes, rounded down) are held whole."""
+    and its share of the optimizer state (by bytes, rounded down) are held whole, and FSDP2
+    holds a shard beside each weight held whole (zero 2) and each gradient held whole."""
     total = 0
     for k in range(i, j):
         params, everything = inst.param_bytes[k], inst.weight_bytes[k]
@@ -107,6 +108,9 @@ def held(inst: Instance, i: int, j: int, replicas: int) -> int:
                  (state - tied_state, inst.zero >= 1)]
         total += 2 * tied + tied_state
         total += sum(math.ceil(b / (replicas if divided else 1)) for b, divided in parts)
+        if replicas > 1:  # FSDP2's shards beside the whole weight (2) and gradient ("step")
+            beside = (inst.zero == 2) + (inst.zero >= 2 and not sharded_grads)
+            total += beside * math.ceil((params - tied) / replicas)
     return total
 
 

@@ -112,11 +112,12 @@ def test_a_tied_weight_stays_whole_under_zero_2_and_3() -> None:
     # 3 share their whole weight (an embedding and its head), 2 stages on 4 devices. At zero 3
     # on 2 replicas, gradients reduced per micro-batch, an untied layer holds 50 + 50 + 400 =
     # 500, a tied one all its 1000 (the runtime keeps it out of the shards); at zero 1 the tie
-    # changes nothing: 100 + 100 + 400
+    # changes nothing: 100 + 100 + 400; at zero 2 FSDP2 keeps the weight's shard beside the
+    # gathered weight: 100 + 50 + 50 + 400
     options = dict(stages=2, devices=4, weight_bytes=[1000] * 4, param_bytes=[100] * 4,
                    reduce_scatter="microbatch")
     tied = [100, 0, 0, 100]
-    for zero, per_layer in ((1, [600] * 4), (2, [1000, 550, 550, 1000]),
+    for zero, per_layer in ((1, [600] * 4), (2, [1000, 600, 600, 1000]),
                             (3, [1000, 500, 500, 1000])):
         problem = make_problem([1.0] * 4, **options, tied_bytes=tied, zero=zero)
         assert held_weight_bytes(problem, 2).tolist() == per_layer

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import pipetrain
 from pipetrain.runtime.fsdp_parts import private
 from tests.runtime.harness import run_ranks, values
-from tests.runtime.models import batches, mlp, tied_model, token_batches
+from tests.runtime.models import batches, mlp, text_batches, tied_model, tiny_gpt, token_batches
 
 STEPS = 3
 CLIP = 0.5  # the gradients' norm is above it at every step here: the clip changes the answer
@@ -459,6 +459,32 @@ def test_what_zero_cannot_shard_yet_is_refused_with_the_reason():
     for bad in (4, -1, True, "3"):
         with pytest.raises(ValueError, match="zero must be 0"):
             pipetrain.Pipeline(mlp(), [5, 7], devices=["cpu", "cpu"], zero=bad)
+
+
+def _ledger_peaks(rank: int, world: int) -> dict[int, list[int]]:
+    peaks = {}
+    for zero in (0, 1, 2, 3):
+        pipe = pipetrain.Pipeline(
+            tiny_gpt(), [len(tiny_gpt())], chunks=2, replicas=2, zero=zero, loss_fn=_lm_loss,
+            optimizer=adamw, track_memory=True,
+        )
+        x, y = text_batches(1)[0]
+        pipe.train_step(x, y)
+        peaks[zero] = [stage.ledger.peak_bytes for stage in pipe.stages]
+    return peaks
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def test_track_memory_counts_the_same_activations_at_every_zero_level():
+    """Sharding moves weights, not activations: the ledger (``track_memory``) sees the same
+    saved bytes at zero 0-3. At 2 and 3 it raised on FSDP2's sharded weights, and the
+    gathered weights the forward saves are weights, not activations."""
+    for peaks in values(run_ranks(_ledger_peaks, 2, deadline=300)):
+        assert peaks[0][0] > 0
+        assert peaks[1] == peaks[2] == peaks[3] == peaks[0]
 
 
 def test_without_replicas_zero_changes_nothing():
