@@ -326,8 +326,26 @@ def measure(name: str, rows: list[Row], args: argparse.Namespace, host: Any) -> 
             rows[k].busy.append([(1 - b) * step for b in metrics["stage_bubble"]])
     for row, pipe in zip(rows, pipes, strict=True):
         read_memory(row, pipe)
+    twins = [*rows, *missing_twins(name, rows, args, batch)]
     for row in rows:
-        row.memory = measured_memory(row, rows)
+        row.memory = measured_memory(row, twins)
+
+
+def missing_twins(name: str, rows: list[Row], args: argparse.Namespace, batch: Any
+                  ) -> list[Row]:
+    """For each recomputing row whose split the grid has no twin of without recomputation (the
+    search split them differently), that twin, run one step for its ledger alone (untimed):
+    what one micro-batch of the split saves, which the recomputing row's backward rebuilds."""
+    twins = []
+    for row in rows:
+        if row.recompute != "never" and rebuilt_bytes(row, [*rows, *twins]) is None:
+            twin = Row(row.model, row.plan, "never")
+            model, _, _, loss_fn = build(name, args.batch, args.seq)
+            pipe = pipeline(twin, model, loss_fn)
+            pipe.train_step(*batch)
+            read_memory(twin, pipe)
+            twins.append(twin)
+    return twins
 
 
 def _corunner(model: Any, x: Any, stop: threading.Event, ready: threading.Event) -> None:
