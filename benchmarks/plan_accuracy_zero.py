@@ -5,11 +5,13 @@ data-parallel replicas (2 gloo processes sharing the 2 cores, one torch thread e
 0 to 3 and, at 2 and 3, each ``reduce_scatter`` mode.
 
 Prediction: ``partitioner.plan`` (stages=1, devices=2, the row's zero and mode) on the GPT's
-profile (taken before the ranks start, alone, at the micro-batch size, each layer's fixed time
-fitted from a second profile), told the host (2 cores, the runtime's seconds per action
-calibrated as plan_accuracy does) and the all-reduce's bandwidth, measured in the ranks first
-(the median of 5 all-reduces of 4 MiB: bytes over seconds, the planner's ring with 2 members
-moving each byte once). Memory: the stage's ``memory_bytes``.
+profile, told the host (2 cores, the runtime's seconds per action calibrated as plan_accuracy
+does) and the all-reduce's bandwidth, measured in the ranks first (the median of 5
+all-reduces of 4 MiB: bytes over seconds, the planner's ring with 2 members moving each byte
+once). Each round of steps starts with both ranks profiling the model at once (so that the
+other core is busy, as in the run; at the micro-batch size, each layer's fixed time fitted
+from a second profile); a row's predicted step is the median over rounds of the step planned
+on rank 0's profile of that round. Memory: the stage's ``memory_bytes``.
 
 Measurement: both ranks build every row's Pipeline (1F1B, 4 micro-batches, AdamW, fresh
 weights, ``track_memory``), warm each ``--warmup`` steps, then run ``--rounds`` rounds of one
@@ -104,18 +106,29 @@ def worker(rank: int, port: int, world: int, args: argparse.Namespace, results: 
         for _ in range(args.warmup):
             pipe.train_step(x, y)
     times: list[list[float]] = [[] for _ in ROWS]
+    profiles = []
     for r in range(args.rounds):
+        dist.barrier()
+        profiles.append(profile_of("gpt", _profiling(args)).to_json())
         for k in rotation(list(range(len(ROWS))), r):
             dist.barrier()
             start = time.perf_counter()
             pipes[k].train_step(x, y)
             times[k].append(time.perf_counter() - start)
-    mine = (bandwidth, times, [_memory(pipe, x, y) for pipe in pipes])
+    mine = (bandwidth, times, [_memory(pipe, x, y) for pipe in pipes], profiles)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
         results.put(every)
     dist.destroy_process_group()
+
+
+def _profiling(args: argparse.Namespace) -> argparse.Namespace:
+    """plan_accuracy.profile_of's settings: the micro-batch size, fixed times fitted from a
+    second size, no co-running thread (the other rank is a process, profiling too)."""
+    return argparse.Namespace(batch=args.batch, seq=args.seq,
+                              chunks=[args.chunks, args.chunks // 2], fixed_times=True,
+                              profile_load="idle", profile_repeats=args.profile_repeats)
 
 
 def predicted(profile: Any, args: argparse.Namespace, zero: int, mode: str, bandwidth: float,
@@ -143,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started, before = time.monotonic(), cpu_jiffies()
     overhead = calibrate_overhead(steps=15)
-    profile = profile_of("gpt", argparse.Namespace(
-        batch=args.batch, seq=args.seq, chunks=[args.chunks, args.chunks // 2],
-        fixed_times=True, profile_load="idle", profile_repeats=args.profile_repeats))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # as zero_memory.py
     ranks = spawn_ranks(worker, REPLICAS, REPLICAS, args)
     bandwidth = statistics.median(r[0] for r in ranks)
@@ -158,17 +168,22 @@ def main(argv: list[str] | None = None) -> int:
           "measured peak MiB (rank 0/1) | memory error (rank 0/1) | tensors MiB (rank 0/1) |"
           "\n|---|---|---|---|---|---|---|---|---|")
     time_errors, memory_errors = [], []
+    from partitioner import Profile
+
+    profiles = [Profile.from_json(text) for text in ranks[0][3]]
     for k, (zero, mode) in enumerate(ROWS):
-        made = predicted(profile, args, zero, mode, bandwidth, overhead)
+        made = predicted(profiles[0], args, zero, mode, bandwidth, overhead)
+        step = statistics.median(predicted(p, args, zero, mode, bandwidth, overhead).step_time
+                                 for p in profiles)
         steps = [max(r[1][k][i] for r in ranks) for i in range(args.rounds)]
         measured = statistics.median(steps)
         tensors = [r[2][k][0] for r in ranks]
         memory = [r[2][k][1] for r in ranks]
         want = made.per_stage[0].memory_bytes
         errors = [(want - m) / m for m in memory]
-        time_errors.append((made.step_time - measured) / measured)
+        time_errors.append((step - measured) / measured)
         memory_errors += errors
-        print(f"| {zero} | {mode if zero >= 2 else '-'} | {made.step_time * 1e3:.1f} | "
+        print(f"| {zero} | {mode if zero >= 2 else '-'} | {step * 1e3:.1f} | "
               f"{measured * 1e3:.1f} | {time_errors[-1]:+.1%} | {want / MIB:.1f} | "
               f"{'/'.join(f'{m / MIB:.1f}' for m in memory)} | "
               f"{'/'.join(f'{e:+.1%}' for e in errors)} | "
