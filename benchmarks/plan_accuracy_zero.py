@@ -4,7 +4,7 @@ per-rank memory against measured ones for the example GPT of that grid as one st
 data-parallel replicas (2 gloo processes sharing the 2 cores, one torch thread each), at zero
 0 to 3 and, at 2 and 3, each ``reduce_scatter`` mode.
 
-Prediction: ``partitioner.plan`` (stages=1, devices=2, the row's zero and mode) on the GPT's
+Prediction: ``partitioner.plan`` (stages=1, data_parallel=2: two copies of the pipeline, as the runtime's replicas are; the row's zero and mode) on the GPT's
 profile, told the host (2 cores, the runtime's seconds per action calibrated as plan_accuracy
 does) and the all-reduce's bandwidth, measured in the ranks first (the median of 5
 all-reduces of 4 MiB: bytes over seconds, the planner's ring with 2 members moving each byte
@@ -133,10 +133,12 @@ def _profiling(args: argparse.Namespace) -> argparse.Namespace:
 
 def predicted(profile: Any, args: argparse.Namespace, zero: int, mode: str, bandwidth: float,
               overhead: float) -> Any:
-    """The planner's plan of the row: one stage on the 2 replicas."""
+    """The planner's plan of the row: one stage, the pipeline copied on the 2 replicas
+    (``data_parallel``: each copy runs every micro-batch of its own rows, as the runtime's
+    ``replicas`` do; ``devices`` would replicate the stage, splitting each micro-batch)."""
     from partitioner import plan
 
-    return plan(profile, stages=1, devices=REPLICAS, microbatches=args.chunks,
+    return plan(profile, stages=1, data_parallel=REPLICAS, microbatches=args.chunks,
                 microbatch_size=args.batch // args.chunks, checkpoint="never", zero=zero,
                 reduce_scatter=mode, bandwidth=bandwidth, cores=args.cores, overhead=overhead)
 
