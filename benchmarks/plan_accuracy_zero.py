@@ -4,14 +4,15 @@ per-rank memory against measured ones for the example GPT of that grid as one st
 data-parallel replicas (2 gloo processes sharing the 2 cores, one torch thread each), at zero
 0 to 3 and, at 2 and 3, each ``reduce_scatter`` mode.
 
-Prediction: ``partitioner.plan`` (stages=1, data_parallel=2: two copies of the pipeline, as the runtime's replicas are; the row's zero and mode) on the GPT's
-profile, told the host (2 cores, the runtime's seconds per action calibrated as plan_accuracy
-does) and the all-reduce's bandwidth, measured in the ranks first (the median of 5
-all-reduces of 4 MiB: bytes over seconds, the planner's ring with 2 members moving each byte
-once). Each round of steps starts with both ranks profiling the model at once (so that the
-other core is busy, as in the run; at the micro-batch size, each layer's fixed time fitted
-from a second profile); a row's predicted step is the median over rounds of the step planned
-on rank 0's profile of that round. Memory: the stage's ``memory_bytes``.
+Prediction: ``partitioner.plan`` (stages=1, data_parallel=2: two copies of the pipeline, as
+the runtime's replicas are; the row's zero and mode) on the GPT's profile, told the host (2
+cores, the runtime's seconds per action calibrated as plan_accuracy does) and the all-reduce's
+bandwidth, measured in the ranks first (the median of 5 all-reduces of 4 MiB: bytes over
+seconds, the planner's ring with 2 members moving each byte once). Each round of steps starts
+with both ranks profiling the model at once (so that the other core is busy, as in the run; at
+the micro-batch size, each layer's fixed time fitted from a second profile); a row's predicted
+step is the median over rounds of the step planned on rank 0's profile of that round. Memory:
+the stage's ``memory_bytes``.
 
 Measurement: both ranks build every row's Pipeline (1F1B, 4 micro-batches, AdamW, fresh
 weights, ``track_memory``), warm each ``--warmup`` steps, then run ``--rounds`` rounds of one
