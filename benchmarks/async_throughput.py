@@ -25,8 +25,9 @@ Where a bubble can show: 1F1B's flush idles a rank for (stages - 1) / (chunks + 
 a step at most, which only turns into lost time when that rank's core has nothing else to do.
 With 2 processes on 2 free cores it does (2 stages: at most 20 % at 4 micro-batches, 11 % at
 8); with more processes than cores (4 stages on 2 cores) an idle rank's core runs another
-rank, so the bubble is mostly reclaimed by the scheduler and 1F1B loses little to it: that row
-measures the overhead of 2BW's bookkeeping, not its bubble win. pipetrain has no knob to delay
+rank, so the bubble's compute is mostly reclaimed by the scheduler: those rows cannot show the
+bubble win; on a latency-bound model (digits: a few ms per step) they show what the flush's
+extra message round trips cost instead. pipetrain has no knob to delay
 its transport (a slow link), so none is emulated.
 
     python benchmarks/async_throughput.py                        # about 5-10 minutes on 2 cores
@@ -148,7 +149,7 @@ def main() -> None:
     if max(args.stages) > cores:
         print(f"\nnote: {max(args.stages)} processes on {cores} CPUs share cores, so a rank's "
               "bubble is filled by another rank's work: those rows cannot show 2BW's bubble "
-              "win, only its overhead.")
+              "win (a latency-bound model still saves the flush's round trips).")
     print(load_report(before, cpu_jiffies(), time.perf_counter() - start))
 
 
