@@ -38,11 +38,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
+from functools import partial
 
-from ranks import init_rank, spawn_ranks
+from pipeline_timing import TimingRun, Workload, time_configs
 from schedules_throughput import BLOCKS, WIDTH, linear_model, mse
-from timing import rotation
 
 PLAIN = dict(weight_prediction=None, delay_compensation=None)  # not the default's remedies
 VARIANTS = {
@@ -192,53 +191,14 @@ THROUGHPUT = {
 }
 
 
-def time_pipelines(
-    rank: int, port: int, configs: dict, rounds: int, steps: int, batch: int, results
-) -> None:
-    """One of 2 ranks: build a pipeline per entry of ``configs`` (its ``Pipeline`` keyword
-    arguments), then time each in rotation; the first rank reports each one's median step time
-    (the slower rank's), measured in the steady state: the flush after each round is outside."""
+def linear_workload(batch: int) -> Workload:
+    """The throughput model (2 stages of BLOCKS x Linear(WIDTH)+ReLU) and a fixed random
+    mini-batch of ``batch`` rows with MSE targets."""
     import torch
-    import torch.distributed as dist
 
-    import pipetrain
-    from pipetrain.optim import nadamw
-
-    init_rank(rank, 2, port, 300)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, WIDTH, generator=g), torch.randn(batch, WIDTH, generator=g)
-    optimizers = {  # a config's "optimizer" names one (default SGD with momentum)
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9),
-        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
-        "nadamw": nadamw(1e-4),
-    }
-    pipes = {
-        key: pipetrain.Pipeline(
-            linear_model(), [BLOCKS, BLOCKS], loss_fn=mse, timeout=120,
-            optimizer=optimizers[options.get("optimizer", "sgd")],
-            **{k: v for k, v in options.items() if k != "optimizer"},
-        )
-        for key, options in configs.items()
-    }
-    times: dict = {key: [] for key in pipes}
-    for pipe in pipes.values():  # warm-up
-        for _ in range(3):
-            pipe.train_step(x, y)
-    keys = list(pipes)
-    for r in range(rounds):
-        for key in rotation(keys, r):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                pipes[key].train_step(x, y)
-            took = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            times[key].append(float(took))
-            pipes[key].flush()
-    if rank == 0:
-        results.put({k: statistics.median(v) for k, v in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+    return Workload(linear_model(), [BLOCKS, BLOCKS], mse, x, y)
 
 
 def throughput_part(rounds: int, steps: int, batch: int) -> None:
@@ -247,7 +207,8 @@ def throughput_part(rounds: int, steps: int, batch: int) -> None:
         for chunks in (4, 8)
         for name, options in THROUGHPUT.items()
     }
-    medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
+    medians = time_configs(TimingRun(2, partial(linear_workload, batch), configs, rounds,
+                                     steps))["times"]
     print(f"\nthroughput, 2 stages (processes, gloo), {BLOCKS} x Linear({WIDTH})+ReLU, batch "
           f"{batch}; median per-step time over {rounds} rounds of {steps} steps")
     print(f"{'chunks':>6} " + " ".join(f"{n + ' s/step':>17}" for n in THROUGHPUT)

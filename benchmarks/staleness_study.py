@@ -57,10 +57,11 @@ import json
 import math
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
-from async_digits import BATCH, CHUNKS, PLAIN, _digits, _mlp, time_pipelines
-from ranks import spawn_ranks
+from async_digits import BATCH, CHUNKS, PLAIN, _digits, _mlp, linear_workload
+from pipeline_timing import TimingRun, time_configs
 from schedules_throughput import BLOCKS, WIDTH
 from staleness_gpt import UNIGRAM, run_gpt
 
@@ -433,7 +434,8 @@ def throughput_part(rounds: int, steps: int, batch: int, methods: list[str]) -> 
         name: {"chunks": 8, "schedule": "pipedream", **PLAIN, **table[name]}
         for name in methods
     }
-    medians = spawn_ranks(time_pipelines, 2, configs, rounds, steps, batch)
+    medians = time_configs(TimingRun(2, partial(linear_workload, batch), configs, rounds,
+                                     steps))["times"]
     print(f"\nthroughput, 2 stages over 2 processes (gloo), {BLOCKS} x Linear({WIDTH})+ReLU, "
           f"batch {batch} in 8 micro-batches; median per-step time over {rounds} rounds of "
           f"{steps} steps")
