@@ -169,8 +169,8 @@ class _Sweep:
 
     def _memory(self, stage: int, recompute: bool, replicas: int) -> tuple[np.ndarray, np.ndarray]:
         """memory_terms of ``stage`` on ``replicas`` replicas (one pair for every replica
-        count when nothing is sharded)."""
-        key = (stage, recompute, replicas if self.problem.zero else 1)
+        count when nothing is sharded; stages of one in-flight count share it)."""
+        key = (self.problem.inflight[stage], recompute, replicas if self.problem.zero else 1)
         if key not in self.memory:
             self.memory[key] = memory_terms(self.problem, stage, recompute, key[2])
         return self.memory[key]

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
+from typing import NamedTuple
 
 
 class Kind(str, Enum):
@@ -118,10 +119,18 @@ def with_step_tail(schedule: Schedule) -> Schedule:
     return replace(schedule, actions=actions)
 
 
-@dataclass(frozen=True)
-class Action:
+_MATCHING = {
+    Kind.SEND_ACT: Kind.RECV_ACT,
+    Kind.RECV_ACT: Kind.SEND_ACT,
+    Kind.SEND_GRAD: Kind.RECV_GRAD,
+    Kind.RECV_GRAD: Kind.SEND_GRAD,
+}
+
+
+class Action(NamedTuple):
     """One unit of work of one stage on one micro-batch (``microbatch`` is -1 for the step's
-    REDUCE, AGREE and synchronous STEP)."""
+    REDUCE, AGREE and synchronous STEP). A named tuple: a search builds, hashes and compares
+    millions of them, which a tuple does in C (it equals the plain tuple of its fields)."""
 
     kind: Kind
     stage: int
@@ -140,15 +149,10 @@ class Action:
 
     def matching(self) -> Action:
         """The action on the peer that completes this communication (a send's receive)."""
-        pairs = {
-            Kind.SEND_ACT: Kind.RECV_ACT,
-            Kind.RECV_ACT: Kind.SEND_ACT,
-            Kind.SEND_GRAD: Kind.RECV_GRAD,
-            Kind.RECV_GRAD: Kind.SEND_GRAD,
-        }
-        if self.peer is None:
+        peer = self.peer
+        if peer is None:
             raise ValueError(f"{self} is not a communication action")
-        return Action(pairs[self.kind], self.peer, self.microbatch)
+        return Action(_MATCHING[self.kind], peer, self.microbatch)
 
     def __str__(self) -> str:
         if self.kind in STEP_KINDS:
